@@ -1,0 +1,342 @@
+"""Typed run configuration: one dataclass per component, YAML recipes, dotted overrides.
+
+A recipe is a YAML mapping whose top-level keys are the sections of `RunConfig`. Command-line overrides are
+`section.key=value` strings parsed as YAML scalars (`optim.lr=3e-4`, `drafter.sliding_layers=[0,2]`). Every
+value is checked against the field's annotation when the config is built, and an unknown key or a bad value
+fails before any work with the full dotted key in the message. The resolved tree is saved next to every
+checkpoint (`config.yaml`) so a run can be reproduced from its directory alone.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, get_args, get_origin
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A recipe or override names an unknown key or gives a value of the wrong type or range."""
+
+
+@dataclass
+class TargetConfig:
+    # A built-in name (`smollm2-135m`), a Hugging Face model directory, or a `.gguf` file.
+    name_or_path: str = "smollm2-135m"
+    # `auto`: bfloat16 on GPU, float32 on CPU.
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    device: str = "auto"
+    # Where converted GGUF targets are cached; default ~/.cache/dflash-trainer.
+    cache_dir: str | None = None
+    attn_implementation: str = "sdpa"
+
+
+@dataclass
+class DrafterConfig:
+    num_layers: int = 5
+    # Number of target layers tapped when target_layer_ids is not given (spread evenly, DESIGN §2).
+    num_target_features: int = 5
+    target_layer_ids: list[int] | None = None
+    block_size: int = 16
+    # Must be a real vocabulary id that chat text never produces and that is no stop token.
+    mask_token_id: int | None = None
+    # Defaults to the target's intermediate size.
+    intermediate_size: int | None = None
+    # Sliding-window layers: indices into the drafter's layers, and their window in tokens.
+    sliding_layers: list[int] = field(default_factory=list)
+    sliding_window: int | None = None
+    # Serving engines differ on this (vLLM treats sliding layers of z-lab checkpoints as causal in-block).
+    sliding_causal_in_block: bool = False
+    # `auto`: flex_attention on CUDA, SDPA with a dense mask elsewhere (flex has no CPU backward).
+    attention_backend: Literal["auto", "flex", "sdpa"] = "auto"
+    # Start from an exported DFlash checkpoint (directory) instead of random weights.
+    init_from: str | None = None
+
+    def validate(self) -> None:
+        _require(self.num_layers >= 1, "drafter.num_layers", "must be >= 1")
+        _require(self.block_size >= 2, "drafter.block_size", "must be >= 2")
+        _require(self.num_target_features >= 1, "drafter.num_target_features", "must be >= 1")
+        if self.sliding_layers:
+            _require(
+                self.sliding_window is not None and self.sliding_window > 0,
+                "drafter.sliding_window",
+                "must be a positive window when drafter.sliding_layers is set",
+            )
+            for i in self.sliding_layers:
+                _require(
+                    0 <= i < self.num_layers,
+                    "drafter.sliding_layers",
+                    f"index {i} outside 0..{self.num_layers - 1}",
+                )
+
+
+@dataclass
+class DataConfig:
+    # Directory of token shards written by `prepare` (manifest.json + shard files).
+    train_shards: str = ""
+    token_budget: int = 8192
+    max_seq_len: int = 2048
+    max_batch_size: int = 64
+    # Pack several documents into one row (document ids keep them apart in attention).
+    packing: bool = True
+    # What to do with samples longer than max_seq_len.
+    overlong: Literal["truncate", "skip"] = "truncate"
+    max_anchors: int = 512
+    seed: int = 0
+
+
+@dataclass
+class LossConfig:
+    # Slot-weight decay; null picks the paper's value for the block size (7 for 16, 5 for 10, 4 for 8).
+    gamma: float | None = None
+    weighting: Literal["exp", "dpace"] = "exp"
+    dpace_alpha: float = 0.5
+    label_source: Literal["data", "target_argmax", "soft"] = "data"
+    # Blocks per loss chunk: bounds the [chunk * block, vocab] logits that exist at once.
+    chunk_blocks: int = 64
+
+    def validate(self) -> None:
+        _require(self.gamma is None or self.gamma > 0, "loss.gamma", "must be > 0")
+        _require(0.0 <= self.dpace_alpha <= 1.0, "loss.dpace_alpha", "must be in [0, 1]")
+        _require(self.chunk_blocks >= 1, "loss.chunk_blocks", "must be >= 1")
+
+
+@dataclass
+class NoiseConfig:
+    type: Literal["none", "uniform", "gaussian"] = "none"
+    start: float = 0.0
+    end: float = 0.0
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 6e-4
+    weight_decay: float = 0.01
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
+    eps: float = 1e-8
+    warmup_ratio: float = 0.04
+    min_lr_ratio: float = 0.0
+    grad_clip: float = 1.0
+    grad_accum: int = 1
+
+    def validate(self) -> None:
+        _require(self.lr > 0, "optim.lr", "must be > 0")
+        _require(0.0 <= self.warmup_ratio < 1.0, "optim.warmup_ratio", "must be in [0, 1)")
+        _require(self.grad_accum >= 1, "optim.grad_accum", "must be >= 1")
+        _require(len(self.betas) == 2, "optim.betas", "must have two values")
+
+
+@dataclass
+class TrainConfig:
+    epochs: int = 6
+    # Stop after this many optimizer steps (null: run all epochs).
+    max_steps: int | None = None
+    seed: int = 0
+    # `auto`: bf16 autocast on GPU (fp32 master weights), fp32 on CPU.
+    precision: Literal["auto", "bf16", "fp32"] = "auto"
+    # On NaN/inf loss: stop with the step and sample ids, or skip the step and count it.
+    on_nonfinite: Literal["stop", "skip"] = "stop"
+
+    def validate(self) -> None:
+        _require(self.epochs >= 1, "train.epochs", "must be >= 1")
+        _require(self.max_steps is None or self.max_steps >= 1, "train.max_steps", "must be >= 1")
+
+
+@dataclass
+class CheckpointConfig:
+    every_steps: int = 500
+    keep_last: int = 3
+    # `auto`: resume from the newest checkpoint in the run directory if one exists.
+    resume: str = "auto"
+
+    def validate(self) -> None:
+        _require(self.every_steps >= 1, "checkpoint.every_steps", "must be >= 1")
+        _require(self.keep_last >= 1, "checkpoint.keep_last", "must be >= 1")
+
+
+@dataclass
+class MetricsConfig:
+    log_every: int = 10
+    tensorboard: bool = True
+    progress_bar: bool = True
+    # Seconds between per-stage profiler reports; 0 = off (DFLASH_PROFILE_INTERVAL also switches it on).
+    profile_interval: float = 0.0
+    plot_at_end: bool = True
+
+
+@dataclass
+class EvalConfig:
+    # Speculative-decoding evaluation every N optimizer steps during training (0 = off).
+    every_steps: int = 0
+    # Prompt sets by name (gsm8k, mtbench, humaneval) or paths to prompt files.
+    datasets: list[str] = field(default_factory=lambda: ["gsm8k"])
+    num_prompts: int = 8
+    max_new_tokens: int = 64
+    temperature: float = 0.0
+    batch_size: int = 1
+    # Run an evaluation after training ends (used by the main command).
+    at_end: bool = False
+
+
+@dataclass
+class PrepareConfig:
+    # Prompt source for the recipe's automatic data step: a prompt-set name or a chat JSONL path.
+    source: str = ""
+    # Replace assistant turns with the target's own greedy responses before tokenising.
+    regenerate: bool = False
+    max_new_tokens: int = 256
+    regenerate_batch_size: int = 16
+    limit: int | None = None
+    keep_reasoning: bool = False
+
+
+@dataclass
+class RunConfig:
+    # Where checkpoints, metrics and plots go.
+    run_dir: str = "runs/default"
+    target: TargetConfig = field(default_factory=TargetConfig)
+    drafter: DrafterConfig = field(default_factory=DrafterConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    prepare: PrepareConfig = field(default_factory=PrepareConfig)
+    loss: LossConfig = field(default_factory=LossConfig)
+    noise: NoiseConfig = field(default_factory=NoiseConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+
+
+def _require(ok: bool, key: str, message: str) -> None:
+    if not ok:
+        raise ConfigError(f"{key}: {message}")
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Building a dataclass tree from plain data, with a type check per field.
+
+
+def _check_value(value: Any, annotation: Any, key: str) -> Any:
+    """Return `value` converted to `annotation` (int -> float only), or raise ConfigError naming `key`."""
+    origin = get_origin(annotation)
+    if annotation is Any:
+        return value
+    if origin in (typing.Union, types.UnionType):
+        options = get_args(annotation)
+        if value is None and type(None) in options:
+            return None
+        errors = []
+        for option in options:
+            if option is type(None):
+                continue
+            try:
+                return _check_value(value, option, key)
+            except ConfigError as error:
+                errors.append(str(error))
+        raise ConfigError(errors[0] if len(errors) == 1 else f"{key}: {value!r} matches none of {annotation}")
+    if origin is Literal:
+        if value not in get_args(annotation):
+            raise ConfigError(f"{key}: {value!r} is not one of {list(get_args(annotation))}")
+        return value
+    if origin is list:
+        if not isinstance(value, list):
+            raise ConfigError(f"{key}: expected a list, got {type(value).__name__} {value!r}")
+        (item_type,) = get_args(annotation)
+        return [_check_value(v, item_type, f"{key}[{i}]") for i, v in enumerate(value)]
+    if dataclasses.is_dataclass(annotation):
+        if not isinstance(value, dict):
+            raise ConfigError(f"{key}: expected a mapping, got {type(value).__name__}")
+        return _build(annotation, value, key)
+    if annotation is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if annotation in (int, float) and isinstance(value, bool):
+        raise ConfigError(f"{key}: expected {annotation.__name__}, got bool {value!r}")
+    if not isinstance(value, annotation):
+        raise ConfigError(f"{key}: expected {annotation.__name__}, got {type(value).__name__} {value!r}")
+    return value
+
+
+def _build(cls: type, data: dict[str, Any], prefix: str = "") -> Any:
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    for key in data:
+        if key not in names:
+            where = f"{prefix}.{key}" if prefix else key
+            raise ConfigError(f"{where}: unknown key (known: {', '.join(sorted(names))})")
+    kwargs = {}
+    for name, value in data.items():
+        kwargs[name] = _check_value(value, hints[name], f"{prefix}.{name}" if prefix else name)
+    built = cls(**kwargs)
+    if hasattr(built, "validate"):
+        built.validate()
+    return built
+
+
+def _parse_override(text: str) -> tuple[list[str], Any]:
+    if "=" not in text:
+        raise ConfigError(f"override {text!r}: expected key.path=value")
+    key, raw = text.split("=", 1)
+    try:
+        value = yaml.safe_load(raw) if raw != "" else ""
+    except yaml.YAMLError as error:
+        raise ConfigError(f"{key}: cannot parse value {raw!r}: {error}") from error
+    return key.strip().split("."), value
+
+
+def _set_dotted(tree: dict[str, Any], path: list[str], value: Any) -> None:
+    node = tree
+    for i, part in enumerate(path[:-1]):
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise ConfigError(f"{'.'.join(path[: i + 1])}: is a value, not a section")
+        node = child
+    node[path[-1]] = value
+
+
+def load_config(recipe: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> RunConfig:
+    """Build a RunConfig from a YAML recipe (or the defaults) plus dotted overrides."""
+    tree: dict[str, Any] = {}
+    if recipe is not None:
+        path = Path(recipe)
+        if not path.is_file():
+            raise ConfigError(f"recipe {path}: file not found")
+        loaded = yaml.safe_load(path.read_text()) or {}
+        if not isinstance(loaded, dict):
+            raise ConfigError(f"recipe {path}: top level must be a mapping")
+        tree = loaded
+    for text in overrides:
+        path_parts, value = _parse_override(text)
+        _set_dotted(tree, path_parts, value)
+    return _build(RunConfig, tree)
+
+
+def config_to_dict(config: Any) -> dict[str, Any]:
+    return dataclasses.asdict(config)
+
+
+def config_from_dict(data: dict[str, Any]) -> RunConfig:
+    return _build(RunConfig, data)
+
+
+def save_config(config: RunConfig, path: str | Path) -> None:
+    Path(path).write_text(yaml.safe_dump(config_to_dict(config), sort_keys=False))
+
+
+def describe_keys(cls: type = RunConfig, prefix: str = "") -> list[tuple[str, str, Any]]:
+    """(dotted key, type, default) for every leaf field, for `--help`."""
+    rows = []
+    hints = typing.get_type_hints(cls)
+    defaults = cls()
+    for f in dataclasses.fields(cls):
+        key = f"{prefix}{f.name}"
+        value = getattr(defaults, f.name)
+        if dataclasses.is_dataclass(hints[f.name]):
+            rows.extend(describe_keys(hints[f.name], prefix=f"{key}."))
+        else:
+            type_name = str(hints[f.name]).replace("typing.", "")
+            rows.append((key, type_name, value))
+    return rows

@@ -1,0 +1,1 @@
+"""The DFlash drafter: architecture, attention masks, anchors, losses."""

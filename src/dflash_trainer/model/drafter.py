@@ -1,0 +1,212 @@
+"""The DFlash drafter (DESIGN §2): fused target context, Qwen3-style layers with KV injection.
+
+    ctx = RMSNorm(fc([h_l1; ...; h_lK]))                      shared by every layer
+    per layer: queries from block tokens; keys/values = [W ctx ; W x] with the same W
+               context entries skip Q, O and the MLP; non-causal inside a block
+    out = RMSNorm(x)                                           fed to the target's frozen LM head
+
+Parameter names follow the z-lab `DFlashDraftModel` checkpoint (`layers.{i}.self_attn.q_proj`, `fc`,
+`hidden_norm`, `norm`, ...), so export is a plain state-dict save. The target's embedding and LM head are not
+submodules: the caller embeds the block tokens and applies the head (they stay frozen and are never saved).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor, nn
+from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding
+
+from .attention import Backend, DrafterMasks, MaskVariant, attend
+from .config import DrafterModelConfig
+
+
+class RMSNorm(nn.Module):
+    """Qwen3's RMSNorm: normalise in float32, scale in the input dtype."""
+
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: Tensor) -> Tensor:
+        dtype = x.dtype
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(dtype)
+
+
+def rotate_half(x: Tensor) -> Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """x [R, heads, S, D]; cos/sin [R, S, D]."""
+    return x * cos.unsqueeze(1) + rotate_half(x) * sin.unsqueeze(1)
+
+
+@dataclass
+class ContextCache:
+    """Per-layer keys/values of the context seen so far (inference): context K/V do not depend on the block, so
+    each step only projects the newly accepted tokens' features."""
+
+    keys: list[Tensor] = field(default_factory=list)  # per layer [R, Hkv, Tc, D]
+    values: list[Tensor] = field(default_factory=list)
+
+    @property
+    def length(self) -> int:
+        return self.keys[0].shape[2] if self.keys else 0
+
+    def append(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        if layer == len(self.keys):
+            self.keys.append(k)
+            self.values.append(v)
+        else:
+            self.keys[layer] = torch.cat([self.keys[layer], k], dim=2)
+            self.values[layer] = torch.cat([self.values[layer], v], dim=2)
+        return self.keys[layer], self.values[layer]
+
+    def crop(self, length: int) -> None:
+        self.keys = [k[:, :, :length] for k in self.keys]
+        self.values = [v[:, :, :length] for v in self.values]
+
+
+class DrafterAttention(nn.Module):
+    def __init__(self, config: DrafterModelConfig, layer: int) -> None:
+        super().__init__()
+        self.heads = config.num_attention_heads
+        self.kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        self.scale = config.head_dim**-0.5
+        self.window = config.layer_window(layer)
+        hidden, bias = config.hidden_size, config.attention_bias
+        self.q_proj = nn.Linear(hidden, self.heads * self.head_dim, bias=bias)
+        self.k_proj = nn.Linear(hidden, self.kv_heads * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(hidden, self.kv_heads * self.head_dim, bias=bias)
+        self.o_proj = nn.Linear(self.heads * self.head_dim, hidden, bias=bias)
+        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+
+    def _keys_values(self, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
+        rows, length, _ = x.shape
+        k = self.k_norm(self.k_proj(x).view(rows, length, self.kv_heads, self.head_dim)).transpose(1, 2)
+        v = self.v_proj(x).view(rows, length, self.kv_heads, self.head_dim).transpose(1, 2)
+        return apply_rope(k, cos, sin), v  # [R, Hkv, S, D] each
+
+    def forward(
+        self,
+        x: Tensor,  # [R, Q, H] block tokens (normed)
+        ctx: Tensor,  # [R, T, H] fused context (new entries only when a cache is given)
+        block_rope: tuple[Tensor, Tensor],
+        ctx_rope: tuple[Tensor, Tensor],
+        mask: object | None,
+        backend: Backend,
+        cache: ContextCache | None = None,
+        layer: int = 0,
+    ) -> Tensor:
+        rows, q_len, _ = x.shape
+        q = self.q_norm(self.q_proj(x).view(rows, q_len, self.heads, self.head_dim)).transpose(1, 2)
+        q = apply_rope(q, *block_rope)  # [R, Hq, Q, D]
+        k_ctx, v_ctx = self._keys_values(ctx, *ctx_rope)
+        if cache is not None:
+            k_ctx, v_ctx = cache.append(layer, k_ctx, v_ctx)
+            if self.window is not None:
+                k_ctx, v_ctx = k_ctx[:, :, -self.window :], v_ctx[:, :, -self.window :]
+        k_blk, v_blk = self._keys_values(x, *block_rope)
+        k = torch.cat([k_ctx, k_blk], dim=2)  # [R, Hkv, T+Q, D]
+        v = torch.cat([v_ctx, v_blk], dim=2)
+        out = attend(q, k, v, mask, backend, self.scale)  # [R, Hq, Q, D]
+        return self.o_proj(out.transpose(1, 2).reshape(rows, q_len, self.heads * self.head_dim))
+
+
+class DrafterMLP(nn.Module):
+    def __init__(self, hidden: int, intermediate: int) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.up_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.down_proj(nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DrafterLayer(nn.Module):
+    def __init__(self, config: DrafterModelConfig, layer: int) -> None:
+        super().__init__()
+        self.layer = layer
+        self.variant = MaskVariant(
+            window=config.layer_window(layer), causal_in_block=config.layer_causal_in_block(layer)
+        )
+        self.self_attn = DrafterAttention(config, layer)
+        self.mlp = DrafterMLP(config.hidden_size, config.intermediate_size)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(
+        self,
+        x: Tensor,
+        ctx: Tensor,
+        block_rope: tuple[Tensor, Tensor],
+        ctx_rope: tuple[Tensor, Tensor],
+        masks: DrafterMasks | None,
+        backend: Backend,
+        cache: ContextCache | None,
+    ) -> Tensor:
+        mask = masks.for_variant(self.variant) if masks is not None else None
+        x = x + self.self_attn(
+            self.input_layernorm(x), ctx, block_rope, ctx_rope, mask, backend, cache=cache, layer=self.layer
+        )
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DFlashDrafter(nn.Module):
+    def __init__(self, config: DrafterModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        hidden = config.hidden_size
+        self.fc = nn.Linear(config.num_features * hidden, hidden, bias=False)
+        self.hidden_norm = RMSNorm(hidden, config.rms_norm_eps)
+        self.layers = nn.ModuleList(DrafterLayer(config, i) for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(hidden, config.rms_norm_eps)
+        self.rotary_emb = Qwen3RotaryEmbedding(config.to_hf_config())
+        self.reset_parameters()
+
+    @property
+    def mask_variants(self) -> list[MaskVariant]:
+        return list(dict.fromkeys(layer.variant for layer in self.layers))
+
+    def reset_parameters(self, std: float = 0.02) -> None:
+        for module in self.modules():
+            if isinstance(module, nn.Linear):
+                nn.init.normal_(module.weight, std=std)
+                if module.bias is not None:
+                    nn.init.zeros_(module.bias)
+            elif isinstance(module, RMSNorm):
+                nn.init.ones_(module.weight)
+
+    def fuse_context(self, features: Tensor) -> Tensor:
+        """[R, T, K*H] target features -> [R, T, H] context shared by every layer."""
+        return self.hidden_norm(self.fc(features))
+
+    def forward(
+        self,
+        *,
+        features: Tensor,  # [R, T, K*H]
+        block_embeds: Tensor,  # [R, N*B, H] target embedding of [x_a, MASK...] per block
+        ctx_positions: Tensor,  # [R, T]
+        block_positions: Tensor,  # [R, N*B]
+        masks: DrafterMasks | None,
+        backend: Backend = "sdpa",
+        cache: ContextCache | None = None,
+    ) -> Tensor:
+        """Returns the final-normed block hidden states [R, N*B, H]. `masks` None (inference only): every block
+        query sees all context and its whole block."""
+        ctx = self.fuse_context(features)
+        x = block_embeds.to(ctx.dtype)
+        block_rope = self.rotary_emb(x, block_positions)  # cos/sin [R, N*B, D]
+        ctx_rope = self.rotary_emb(x, ctx_positions)  # [R, T, D]
+        for layer in self.layers:
+            x = layer(x, ctx, block_rope, ctx_rope, masks, backend, cache)
+        return self.norm(x)

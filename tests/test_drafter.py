@@ -1,0 +1,198 @@
+"""The drafter module: layer taps, checkpoint names, no information leakage, and that it can learn."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers import Qwen3Config
+
+from dflash_trainer.model.anchors import block_labels
+from dflash_trainer.model.attention import build_masks
+from dflash_trainer.model.config import DrafterModelConfig, default_target_layer_ids
+from dflash_trainer.model.drafter import DFlashDrafter
+from model_helpers import random_packed_batch, tiny_drafter_config
+
+
+def test_default_target_layer_ids():
+    assert default_target_layer_ids(36, 5) == [1, 9, 17, 25, 33]
+    assert default_target_layer_ids(64, 5) == [1, 16, 31, 46, 61]
+    assert default_target_layer_ids(30, 5) == [1, 8, 14, 20, 27]
+
+
+def test_from_target_copies_shapes_and_rope():
+    target = Qwen3Config(
+        hidden_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        intermediate_size=128,
+        num_hidden_layers=12,
+        vocab_size=300,
+        rope_parameters={"rope_type": "default", "rope_theta": 5e5},
+    )
+    config = DrafterModelConfig.from_target(
+        target, num_layers=3, block_size=8, mask_token_id=299, sliding_layers=[0], sliding_window=32
+    )
+    assert config.target_layer_ids == [1, 3, 5, 7, 9]
+    assert (config.hidden_size, config.head_dim, config.num_key_value_heads) == (64, 16, 2)
+    assert config.rope_parameters["rope_theta"] == 5e5
+    assert config.layer_types == ["sliding_attention", "full_attention", "full_attention"]
+    hf = config.to_hf_config()
+    assert hf.dflash_config == {
+        "mask_token_id": 299,
+        "target_layer_ids": [1, 3, 5, 7, 9],
+        "sliding_causal_in_block": False,
+    }
+    assert hf.architectures == ["DFlashDraftModel"] and hf.block_size == 8 and hf.num_target_layers == 12
+
+
+def test_state_dict_uses_checkpoint_names_and_excludes_embedding_and_head():
+    drafter = DFlashDrafter(tiny_drafter_config(num_hidden_layers=1))
+    names = set(drafter.state_dict())
+    expected = {"fc.weight", "hidden_norm.weight", "norm.weight"} | {
+        f"layers.0.{name}.weight"
+        for name in [
+            "self_attn.q_proj",
+            "self_attn.k_proj",
+            "self_attn.v_proj",
+            "self_attn.o_proj",
+            "self_attn.q_norm",
+            "self_attn.k_norm",
+            "input_layernorm",
+            "post_attention_layernorm",
+            "mlp.gate_proj",
+            "mlp.up_proj",
+            "mlp.down_proj",
+        ]
+    }
+    assert names == expected
+
+
+def run_drafter(drafter, batch, features=None, block_ids=None, embed=None):
+    config = drafter.config
+    masks = build_masks(
+        anchors=batch.anchors,
+        anchor_keep=batch.anchor_keep,
+        doc_ids=batch.doc_ids,
+        block_size=config.block_size,
+        variants=drafter.mask_variants,
+        backend="sdpa",
+    )
+    return drafter(
+        features=batch.features if features is None else features,
+        block_embeds=embed(batch.block_ids if block_ids is None else block_ids),
+        ctx_positions=batch.position_ids,
+        block_positions=batch.block_pos,
+        masks=masks,
+    ).view(*batch.anchors.shape, config.block_size, -1)  # [R, N, B, H]
+
+
+@pytest.fixture(scope="module")
+def leak_setup():
+    torch.manual_seed(0)
+    config = tiny_drafter_config(layer_types=["sliding_attention", "full_attention"], sliding_window=6)
+    drafter = DFlashDrafter(config).double().eval()
+    batch = random_packed_batch(config, rows=2, length=48, max_anchors=4, seed=5)
+    batch.features = batch.features.double()
+    embed = torch.nn.Embedding(config.vocab_size, config.hidden_size).double()
+    with torch.no_grad():
+        base = run_drafter(drafter, batch, embed=embed)
+    return drafter, batch, embed, base
+
+
+def changed_blocks(out, base):
+    return (out - base).abs().amax(dim=(-1, -2)) > 1e-9  # [R, N]
+
+
+def test_other_blocks_tokens_do_not_leak(leak_setup):
+    drafter, batch, embed, base = leak_setup
+    r, n, block = 1, 1, drafter.config.block_size
+    block_ids = batch.block_ids.clone()
+    block_ids[r, n * block : (n + 1) * block] = (block_ids[r, n * block : (n + 1) * block] + 7) % 60
+    with torch.no_grad():
+        out = run_drafter(drafter, batch, block_ids=block_ids, embed=embed)
+    changed = changed_blocks(out, base)
+    assert changed[r, n]
+    assert changed.sum() == 1
+
+
+def test_context_at_or_after_anchor_and_other_documents_do_not_leak(leak_setup):
+    drafter, batch, embed, base = leak_setup
+    for r in range(batch.anchors.shape[0]):
+        for n in range(batch.anchors.shape[1]):
+            if not batch.anchor_keep[r, n]:
+                continue
+            a = int(batch.anchors[r, n])
+            doc = batch.doc_ids[r, a]
+            forbidden = torch.ones(batch.features.shape[1], dtype=torch.bool)
+            forbidden[:a] = (
+                batch.doc_ids[r, :a] != doc
+            )  # earlier positions of other documents are forbidden too
+            features = batch.features.clone()
+            features[r, forbidden] += torch.randn_like(features[r, forbidden])
+            with torch.no_grad():
+                out = run_drafter(drafter, batch, features=features, embed=embed)
+            assert not changed_blocks(out, base)[r, n], (r, n, a)
+
+
+def test_allowed_context_changes_the_block(leak_setup):
+    drafter, batch, embed, base = leak_setup
+    r = 0
+    n = int(torch.nonzero(batch.anchor_keep[r] & (batch.position_ids[r, batch.anchors[r]] > 0))[0])
+    a = int(batch.anchors[r, n])
+    features = batch.features.clone()
+    features[r, a - 1] += 1.0  # the token just before the anchor: inside every window
+    with torch.no_grad():
+        out = run_drafter(drafter, batch, features=features, embed=embed)
+    assert changed_blocks(out, base)[r, n]
+
+
+def test_sliding_window_hides_old_context(leak_setup):
+    drafter, batch, embed, base = leak_setup
+    window = drafter.config.sliding_window
+    # With the full-attention layer second, old context still reaches the output; check the first layer alone.
+    first = drafter.layers[0]
+    assert first.variant.window == window
+    r = 0
+    n = int(torch.argmax(batch.anchors[r]))
+    a = int(batch.anchors[r, n])
+    assert a - window > 0
+    masks = build_masks(
+        anchors=batch.anchors,
+        anchor_keep=batch.anchor_keep,
+        doc_ids=batch.doc_ids,
+        block_size=drafter.config.block_size,
+        variants=drafter.mask_variants,
+        backend="sdpa",
+    )
+    mask = masks.for_variant(first.variant)[r, 0]  # [Q, KV]
+    rows = mask[n * 4 : (n + 1) * 4]
+    assert not rows[:, : a - window].any() and rows[:, a - window : a].all()
+
+
+def test_tiny_drafter_overfits_fixed_blocks():
+    torch.manual_seed(0)
+    config = tiny_drafter_config(num_hidden_layers=1, vocab_size=32, mask_token_id=31)
+    drafter = DFlashDrafter(config)
+    batch = random_packed_batch(config, rows=2, length=24, max_anchors=3, seed=1)
+    embed = torch.nn.Embedding(config.vocab_size, config.hidden_size).requires_grad_(False)
+    lm_head = torch.nn.Linear(config.hidden_size, config.vocab_size, bias=False).requires_grad_(False)
+    labels, valid = block_labels(
+        input_ids=batch.input_ids,
+        loss_mask=batch.loss_mask,
+        doc_ids=batch.doc_ids,
+        anchors=batch.anchors,
+        anchor_keep=batch.anchor_keep,
+        block_size=config.block_size,
+    )
+    assert valid.sum() >= 10
+    optimizer = torch.optim.AdamW(drafter.parameters(), lr=3e-3)
+    for _ in range(300):
+        logits = lm_head(run_drafter(drafter, batch, embed=embed))
+        loss = F.cross_entropy(logits[valid], labels[valid])
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    accuracy = (logits.argmax(-1)[valid] == labels[valid]).float().mean()
+    assert accuracy >= 0.95, accuracy
