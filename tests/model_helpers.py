@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -54,19 +55,15 @@ def random_packed_batch(
         used = length - 3 * r  # rows end in a few padding tokens
         cuts = sorted(torch.randperm(used - 8, generator=gen)[:r].add(4).tolist())
         bounds = [0, *cuts, used]
-        for d, (start, end) in enumerate(zip(bounds[:-1], bounds[1:], strict=True)):
+        for d, (start, end) in enumerate(itertools.pairwise(bounds)):
             doc_ids[r, start:end] = d
             position_ids[r, start:end] = torch.arange(end - start)
             prompt = max(1, (end - start) // 3)
             loss_mask[r, start + prompt : end] = True
     features = torch.randn(rows, length, config.num_features * config.hidden_size, generator=gen)
-    anchors, keep = sample_anchors(
-        loss_mask=loss_mask, doc_ids=doc_ids, max_anchors=max_anchors, generator=gen
-    )
+    anchors, keep = sample_anchors(loss_mask=loss_mask, doc_ids=doc_ids, max_anchors=max_anchors, generator=gen)
     block_ids = block_input_ids(
         input_ids=input_ids, anchors=anchors, block_size=config.block_size, mask_token_id=config.mask_token_id
     )
     block_pos = block_positions(position_ids=position_ids, anchors=anchors, block_size=config.block_size)
-    return RandomBatch(
-        input_ids, loss_mask, doc_ids, position_ids, features, anchors, keep, block_ids, block_pos
-    )
+    return RandomBatch(input_ids, loss_mask, doc_ids, position_ids, features, anchors, keep, block_ids, block_pos)

@@ -149,7 +149,7 @@ def test_allowed_context_changes_the_block(leak_setup):
 
 
 def test_sliding_window_hides_old_context(leak_setup):
-    drafter, batch, embed, base = leak_setup
+    drafter, batch, _, _ = leak_setup
     window = drafter.config.sliding_window
     # With the full-attention layer second, old context still reaches the output; check the first layer alone.
     first = drafter.layers[0]
