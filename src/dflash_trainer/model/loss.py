@@ -1,0 +1,459 @@
+"""The DFlash training objective: a weighted per-slot loss over draft blocks, and the metrics that predict tau.
+
+Slot k (1..B-1) of a block anchored at a predicts token x_{a+k} (same position, no shift); slot 0 holds the
+anchor token itself and never carries loss, whatever `valid` says. The loss is the normalised weighted mean
+`sum(m * w * term) / sum(m * w)`, where `term` is the cross-entropy against the label (or the KL divergence to
+the target's distribution for soft labels) and `w` is either the paper's exponential slot decay or D-PACE's
+acceptance-aware weight.
+
+Memory: V can be ~150K and a batch ~100K slots, so [slots, V] logits must never exist for the whole batch.
+The LM head and the loss are fused into one autograd Function that walks the blocks in chunks of
+`chunk_blocks`: for each chunk it computes the logits, the loss terms and, when a gradient is needed, the
+gradient with respect to the chunk's hidden states, then drops the logits. Backward only scales the stored
+[slots, H] gradient by the incoming scalar, so at most one chunk's logits are alive at any time and the LM head
+matmul is not recomputed. This works because every weight is detached (constant to autograd) and the loss is
+linear in the per-slot terms.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+from torch.autograd.function import FunctionCtx, once_differentiable
+
+Weighting = Literal["exp", "dpace"]
+LabelSource = Literal["data", "target_argmax", "soft"]
+
+# Paper (DFlash, App. A.1) values of gamma per block size.
+_PAPER_GAMMA = {8: 4.0, 10: 5.0, 16: 7.0}
+_MIN_GAMMA = 1.0
+
+
+def default_gamma(block_size: int) -> float:
+    """Slot-weight decay for a block size: the paper's values for 8, 10 and 16 (4, 5, 7), otherwise
+    `3 * log2(B) - 5`, floored at 1.
+
+    The log curve passes exactly through the paper's points for 8 and 16 and gives 4.97 for 10, so it is the
+    natural interpolation; it also gives 10 for B=32, the value the earlier production system used there. The
+    floor keeps gamma positive for tiny blocks (B <= 4), where the decay hardly matters."""
+    if block_size < 2:
+        raise ValueError(f"default_gamma: block_size must be >= 2, got {block_size}")
+    if block_size in _PAPER_GAMMA:
+        return _PAPER_GAMMA[block_size]
+    return max(_MIN_GAMMA, 3.0 * math.log2(block_size) - 5.0)
+
+
+def slot_weights(
+    block_size: int,
+    gamma: float,
+    *,
+    device: torch.device | str | None = None,
+    dtype: torch.dtype = torch.float32,
+) -> Tensor:
+    """[B]: w_0 = 0 (the anchor slot has no loss), w_k = exp(-(k-1)/gamma) for k >= 1."""
+    if block_size < 2:
+        raise ValueError(f"slot_weights: block_size must be >= 2, got {block_size}")
+    if gamma <= 0:
+        raise ValueError(f"slot_weights: gamma must be > 0, got {gamma}")
+    k = torch.arange(block_size, dtype=dtype, device=device)
+    weights = torch.exp(-(k - 1.0) / gamma)
+    weights[0] = 0.0
+    return weights
+
+
+def expected_acceptance(correct_per_slot: Tensor, count_per_slot: Tensor) -> Tensor:
+    """E[tau] = 1 + sum_{k=1}^{B-1} prod_{j<=k} acc_j with conditional per-slot accuracies acc_j = correct_j /
+    count_j (0 where a slot was never counted, which ends the product). Both inputs [B]; slot 0 is ignored.
+    Returns a 0-dim tensor on the inputs' device (no host sync)."""
+    correct = correct_per_slot[1:].double()
+    count = count_per_slot[1:].double()
+    accuracy = torch.where(count > 0, correct / count.clamp_min(1.0), torch.zeros_like(correct))  # [B-1]
+    return 1.0 + torch.cumprod(accuracy, dim=0).sum()
+
+
+@dataclass
+class LossMetrics:
+    """Sum/total pairs of one or more loss calls, as float64 device tensors, so that accumulating over
+    micro-batches and all-reducing over ranks gives exact global ratios.
+
+    The accuracy label of a slot is the label greedy verification would accept: the data token for
+    label_source "data", the target's argmax for "target_argmax" and "soft"."""
+
+    loss_sum: Tensor  # []: sum of m * w * term
+    weight_sum: Tensor  # []: sum of m * w
+    correct_per_slot: Tensor  # [B]: valid slots whose drafter argmax equals the accuracy label
+    count_per_slot: Tensor  # [B]: valid slots
+    prefix_sum: Tensor  # []: sum over blocks of the number of leading valid and correct slots 1..B-1
+    prefix_blocks: Tensor  # []: blocks whose slot 1 is valid (the blocks prefix_sum averages over)
+
+    @classmethod
+    def zeros(cls, block_size: int, *, device: torch.device | str | None = None) -> LossMetrics:
+        return cls.from_tensor(torch.zeros(4 + 2 * block_size, dtype=torch.float64, device=device))
+
+    @property
+    def block_size(self) -> int:
+        return self.count_per_slot.shape[0]
+
+    def add_(self, other: LossMetrics) -> LossMetrics:
+        """Accumulates `other` into self in place and returns self."""
+        if other.block_size != self.block_size:
+            raise ValueError(
+                f"LossMetrics.add_: block size {other.block_size} does not match this accumulator's {self.block_size}"
+            )
+        self.loss_sum.add_(other.loss_sum)
+        self.weight_sum.add_(other.weight_sum)
+        self.correct_per_slot.add_(other.correct_per_slot)
+        self.count_per_slot.add_(other.count_per_slot)
+        self.prefix_sum.add_(other.prefix_sum)
+        self.prefix_blocks.add_(other.prefix_blocks)
+        return self
+
+    def to_tensor(self) -> Tensor:
+        """[4 + 2B] float64: loss_sum, weight_sum, prefix_sum, prefix_blocks, correct_per_slot, count_per_slot;
+        one tensor so that ranks reduce every pair in a single collective."""
+        scalars = torch.stack([self.loss_sum, self.weight_sum, self.prefix_sum, self.prefix_blocks])
+        return torch.cat([scalars, self.correct_per_slot, self.count_per_slot]).double()
+
+    @classmethod
+    def from_tensor(cls, flat: Tensor) -> LossMetrics:
+        """Inverse of to_tensor. The fields are views into `flat`."""
+        size = flat.numel()
+        if flat.dim() != 1 or size < 8 or size % 2 != 0:
+            raise ValueError(
+                f"LossMetrics.from_tensor: expected a flat tensor of 4 + 2B elements (B >= 2), got shape "
+                f"{tuple(flat.shape)}"
+            )
+        flat = flat.double()
+        block_size = (size - 4) // 2
+        return cls(
+            loss_sum=flat[0],
+            weight_sum=flat[1],
+            prefix_sum=flat[2],
+            prefix_blocks=flat[3],
+            correct_per_slot=flat[4 : 4 + block_size],
+            count_per_slot=flat[4 + block_size :],
+        )
+
+    def mean_loss(self) -> Tensor:
+        """sum(m*w*term) / sum(m*w), 0 when nothing was counted."""
+        return torch.where(self.weight_sum > 0, self.loss_sum / self.weight_sum.clamp_min(1e-30), 0.0)
+
+    def slot_accuracy(self) -> Tensor:
+        """[B] conditional accuracy per slot (0 where not counted; slot 0 is always 0)."""
+        return torch.where(self.count_per_slot > 0, self.correct_per_slot / self.count_per_slot.clamp_min(1.0), 0.0)
+
+    def expected_acceptance(self) -> Tensor:
+        """E[tau] from the per-slot accuracies (see the module-level function)."""
+        return expected_acceptance(self.correct_per_slot, self.count_per_slot)
+
+    def prefix_acceptance(self) -> Tensor:
+        """Empirical tau: 1 + mean accepted prefix per block (1 when no block was counted). Unlike E[tau] it keeps
+        the correlation between slots of the same block."""
+        return 1.0 + torch.where(self.prefix_blocks > 0, self.prefix_sum / self.prefix_blocks.clamp_min(1.0), 0.0)
+
+
+@dataclass
+class LossOutput:
+    loss: Tensor  # []: normalised weighted mean, differentiable w.r.t. hidden (0 when no slot is valid)
+    # []: the unnormalised sum(m * w * term), differentiable; divide by a weight sum gathered over several
+    # micro-batches or ranks to normalise globally instead of per call.
+    loss_sum: Tensor
+    metrics: LossMetrics
+
+
+@dataclass(frozen=True)
+class _LossSpec:
+    """Everything about the loss that is not a tensor input of the autograd Function."""
+
+    weighting: Weighting
+    slot_weight: Tensor  # [B-1] float64: exp weights of slots 1..B-1 (used by "exp")
+    dpace_alpha: float
+    label_source: LabelSource
+    chunk_blocks: int
+    need_grad: bool
+
+
+def dflash_loss(
+    hidden: Tensor,  # [R, N, B, H] drafter output after its final norm
+    lm_head_weight: Tensor,  # [V, H] the target's frozen LM head
+    labels: Tensor,  # [R, N, B] int64: x_{a+k} for slot k
+    valid: Tensor,  # [R, N, B] bool
+    *,
+    gamma: float | None,
+    weighting: Weighting = "exp",
+    dpace_alpha: float = 0.5,
+    label_source: LabelSource = "data",
+    target_hidden: Tensor | None = None,  # [R, N, B, H] target final state at a+k-1 (after its final norm)
+    chunk_blocks: int = 64,
+    lm_head_bias: Tensor | None = None,  # [V]
+) -> LossOutput:
+    """The weighted DFlash loss and its metrics. `gamma` None picks `default_gamma(B)`.
+
+    Logits are computed in hidden's dtype (the LM head weight is cast to it once), the softmax in float32 (or
+    float64 for float64 inputs). Gradients flow to `hidden` only: the LM head is frozen, and the target's
+    hidden states are treated as constants."""
+    _check_inputs(hidden, lm_head_weight, labels, valid, target_hidden, lm_head_bias, label_source)
+    rows, num_blocks, block_size, width = hidden.shape
+    if block_size < 2:
+        raise ValueError(f"dflash_loss: block size (hidden.shape[2]) must be >= 2, got {block_size}")
+    if weighting not in ("exp", "dpace"):
+        raise ValueError(f"dflash_loss: weighting must be 'exp' or 'dpace', got {weighting!r}")
+    if not 0.0 <= dpace_alpha <= 1.0:
+        raise ValueError(f"dflash_loss: dpace_alpha must be in [0, 1], got {dpace_alpha}")
+    if chunk_blocks < 1:
+        raise ValueError(f"dflash_loss: chunk_blocks must be >= 1, got {chunk_blocks}")
+    need_grad = torch.is_grad_enabled() and hidden.requires_grad
+    frozen_head = [("lm_head_weight", lm_head_weight), ("lm_head_bias", lm_head_bias)]
+    for name, tensor in frozen_head:
+        if need_grad and tensor is not None and tensor.requires_grad:
+            raise ValueError(
+                f"dflash_loss: {name} requires grad, but the LM head is frozen and gets no gradient here; "
+                "call requires_grad_(False) on it"
+            )
+    gamma = default_gamma(block_size) if gamma is None else gamma
+    spec = _LossSpec(
+        weighting=weighting,
+        # float64 so float64 inputs get exact weights; each chunk casts them to its softmax dtype.
+        slot_weight=slot_weights(block_size, gamma, device=hidden.device, dtype=torch.float64)[1:],
+        dpace_alpha=dpace_alpha,
+        label_source=label_source,
+        chunk_blocks=chunk_blocks,
+        need_grad=need_grad,
+    )
+    blocks = rows * num_blocks
+    flat_target = None if target_hidden is None else target_hidden.reshape(blocks, block_size, width)
+    loss_sum, weight_sum, correct, count, prefix_sum, prefix_blocks = _ChunkedBlockLoss.apply(
+        hidden.reshape(blocks, block_size, width),
+        lm_head_weight,
+        lm_head_bias,
+        labels.reshape(blocks, block_size),
+        valid.reshape(blocks, block_size),
+        flat_target,
+        spec,
+    )
+    # The weight sum is a constant to autograd, so dividing by it only scales the gradient.
+    safe_weight = torch.where(weight_sum > 0, weight_sum, torch.ones_like(weight_sum))
+    metrics = LossMetrics(
+        loss_sum=loss_sum.detach().double(),
+        weight_sum=weight_sum.double(),
+        correct_per_slot=correct,
+        count_per_slot=count,
+        prefix_sum=prefix_sum,
+        prefix_blocks=prefix_blocks,
+    )
+    return LossOutput(loss=loss_sum / safe_weight, loss_sum=loss_sum, metrics=metrics)
+
+
+def _check_inputs(
+    hidden: Tensor,
+    lm_head_weight: Tensor,
+    labels: Tensor,
+    valid: Tensor,
+    target_hidden: Tensor | None,
+    lm_head_bias: Tensor | None,
+    label_source: str,
+) -> None:
+    if hidden.dim() != 4:
+        raise ValueError(f"dflash_loss: hidden must be [R, N, B, H], got shape {tuple(hidden.shape)}")
+    if not hidden.is_floating_point():
+        raise ValueError(f"dflash_loss: hidden must be floating point, got {hidden.dtype}")
+    block_shape = hidden.shape[:3]
+    if lm_head_weight.dim() != 2 or lm_head_weight.shape[1] != hidden.shape[3]:
+        raise ValueError(
+            f"dflash_loss: lm_head_weight must be [V, H={hidden.shape[3]}], got {tuple(lm_head_weight.shape)}"
+        )
+    if lm_head_bias is not None and tuple(lm_head_bias.shape) != (lm_head_weight.shape[0],):
+        raise ValueError(
+            f"dflash_loss: lm_head_bias must be [V={lm_head_weight.shape[0]}], got {tuple(lm_head_bias.shape)}"
+        )
+    if labels.shape != block_shape or labels.is_floating_point() or labels.dtype == torch.bool:
+        raise ValueError(
+            f"dflash_loss: labels must be integer [R, N, B]={tuple(block_shape)}, got {labels.dtype} "
+            f"{tuple(labels.shape)}"
+        )
+    if valid.shape != block_shape or valid.dtype != torch.bool:
+        raise ValueError(
+            f"dflash_loss: valid must be bool [R, N, B]={tuple(block_shape)}, got {valid.dtype} {tuple(valid.shape)}"
+        )
+    if label_source not in ("data", "target_argmax", "soft"):
+        raise ValueError(f"dflash_loss: label_source must be 'data', 'target_argmax' or 'soft', got {label_source!r}")
+    if label_source != "data" and (target_hidden is None or target_hidden.shape != hidden.shape):
+        got = None if target_hidden is None else tuple(target_hidden.shape)
+        raise ValueError(
+            f"dflash_loss: label_source {label_source!r} needs target_hidden of hidden's shape "
+            f"{tuple(hidden.shape)}, got {got}"
+        )
+
+
+class _ChunkedBlockLoss(torch.autograd.Function):
+    """Fused LM head + weighted loss over [blocks, B, H], chunk by chunk (see the module docstring).
+
+    Outputs: loss_sum (differentiable w.r.t. hidden), then the non-differentiable weight_sum, correct [B],
+    count [B], prefix_sum, prefix_blocks."""
+
+    @staticmethod
+    def forward(
+        ctx: FunctionCtx,
+        hidden: Tensor,  # [M, B, H]
+        lm_head_weight: Tensor,  # [V, H]
+        lm_head_bias: Tensor | None,  # [V]
+        labels: Tensor,  # [M, B]
+        valid: Tensor,  # [M, B]
+        target_hidden: Tensor | None,  # [M, B, H]
+        spec: _LossSpec,
+    ) -> tuple[Tensor, ...]:
+        blocks, block_size, _ = hidden.shape
+        compute_dtype = hidden.dtype
+        softmax_dtype = torch.promote_types(compute_dtype, torch.float32)
+        device = hidden.device
+        # Autocast would pick its own matmul dtype; the dtypes here are chosen explicitly.
+        with torch.autocast(device_type=device.type, enabled=False):
+            weight = lm_head_weight.to(compute_dtype)  # [V, H]
+            bias = None if lm_head_bias is None else lm_head_bias.to(compute_dtype)
+            loss_sum = torch.zeros((), dtype=softmax_dtype, device=device)
+            weight_sum = torch.zeros((), dtype=softmax_dtype, device=device)
+            correct = torch.zeros(block_size, dtype=torch.float64, device=device)
+            count = torch.zeros(block_size, dtype=torch.float64, device=device)
+            prefix_sum = torch.zeros((), dtype=torch.float64, device=device)
+            prefix_blocks = torch.zeros((), dtype=torch.float64, device=device)
+            grad_hidden = torch.zeros_like(hidden) if spec.need_grad else None
+            for start in range(0, blocks, spec.chunk_blocks):
+                chunk = slice(start, min(start + spec.chunk_blocks, blocks))
+                # Slot 0 is dropped here, statically: it never has loss, and skipping it saves 1/B of the
+                # LM head work.
+                result = _loss_chunk(
+                    hidden=hidden[chunk, 1:],
+                    weight=weight,
+                    bias=bias,
+                    labels=labels[chunk, 1:],
+                    valid=valid[chunk, 1:],
+                    target_hidden=None if target_hidden is None else target_hidden[chunk, 1:].to(compute_dtype),
+                    spec=spec,
+                    softmax_dtype=softmax_dtype,
+                )
+                loss_sum += result.loss_sum
+                weight_sum += result.weight_sum
+                correct[1:] += result.correct.sum(dim=0)
+                count[1:] += result.valid.sum(dim=0)
+                prefix_sum += result.prefix.sum()
+                prefix_blocks += result.valid[:, 0].sum()
+                if grad_hidden is not None:
+                    grad_hidden[chunk, 1:] = result.grad_hidden
+        ctx.save_for_backward(grad_hidden)
+        ctx.mark_non_differentiable(weight_sum, correct, count, prefix_sum, prefix_blocks)
+        return loss_sum, weight_sum, correct, count, prefix_sum, prefix_blocks
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: FunctionCtx, grad_loss_sum: Tensor, *_: Tensor) -> tuple[Tensor | None, ...]:
+        (grad_hidden,) = ctx.saved_tensors
+        grad = None if grad_hidden is None else grad_hidden * grad_loss_sum.to(grad_hidden.dtype)
+        return grad, None, None, None, None, None, None
+
+
+@dataclass
+class _ChunkResult:
+    loss_sum: Tensor  # []
+    weight_sum: Tensor  # []
+    valid: Tensor  # [C, S] bool
+    correct: Tensor  # [C, S] bool (valid and argmax right)
+    prefix: Tensor  # [C] accepted prefix length per block
+    grad_hidden: Tensor | None  # [C, S, H]
+
+
+def _loss_chunk(
+    *,
+    hidden: Tensor,  # [C, S, H] with S = B-1 (slots 1..B-1)
+    weight: Tensor,  # [V, H]
+    bias: Tensor | None,  # [V]
+    labels: Tensor,  # [C, S]
+    valid: Tensor,  # [C, S]
+    target_hidden: Tensor | None,  # [C, S, H]
+    spec: _LossSpec,
+    softmax_dtype: torch.dtype,
+) -> _ChunkResult:
+    chunk, slots, width = hidden.shape
+    logits = F.linear(hidden.reshape(chunk * slots, width), weight, bias)  # [C*S, V]
+    drafter_choice = logits.argmax(dim=-1).view(chunk, slots)
+    log_probs = torch.log_softmax(logits, dim=-1, dtype=softmax_dtype)  # [C*S, V]
+    del logits
+
+    target_log_probs = None  # [C*S, V], soft labels only
+    if spec.label_source == "data":
+        accept_labels = labels
+    else:
+        target_logits = F.linear(target_hidden.reshape(chunk * slots, width), weight, bias)  # [C*S, V]
+        accept_labels = target_logits.argmax(dim=-1).view(chunk, slots)
+        if spec.label_source == "soft":
+            target_log_probs = torch.log_softmax(target_logits, dim=-1, dtype=softmax_dtype)
+        del target_logits
+    # Invalid slots may carry any label (padding, out of the row); point them at token 0 so gathers are safe.
+    accept_labels = torch.where(valid, accept_labels, torch.zeros_like(accept_labels))
+    flat_labels = accept_labels.reshape(-1, 1)  # [C*S, 1]
+    accept_ce = -log_probs.gather(1, flat_labels).view(chunk, slots)  # [C, S]
+
+    if target_log_probs is None:
+        term = accept_ce
+    else:
+        # KL(target || drafter) per slot, built in the target log-prob buffer to keep one [C*S, V] temporary.
+        target_probs = target_log_probs.exp()  # [C*S, V]
+        kl_terms = target_log_probs.sub_(log_probs).mul_(target_probs)  # [C*S, V]
+        term = kl_terms.sum(dim=-1).view(chunk, slots)
+        del target_log_probs, kl_terms
+    # `where`, not a product: a non-finite term in an invalid slot must not leak into the sum.
+    term = torch.where(valid, term, torch.zeros_like(term))
+    slot_weight = _slot_loss_weights(accept_ce=accept_ce, valid=valid, spec=spec).to(term.dtype)  # [C, S]
+
+    correct = valid & (drafter_choice == accept_labels)
+    # Leading run of correct slots: cumprod turns 0 at the first wrong or invalid slot.
+    prefix = torch.cumprod(correct.to(torch.int64), dim=1).sum(dim=1)  # [C]
+
+    grad_hidden = None
+    if spec.need_grad:
+        # d(w * term)/d logits = w * (softmax - q): q is the one-hot label or the target distribution.
+        grad_logits = log_probs.exp_()  # [C*S, V], reusing the log-prob buffer
+        if spec.label_source == "soft":
+            grad_logits -= target_probs
+        else:
+            minus_one = torch.full_like(flat_labels, -1, dtype=grad_logits.dtype)
+            grad_logits.scatter_add_(1, flat_labels, minus_one)
+        grad_logits *= slot_weight.reshape(-1, 1)
+        grad_rows = grad_logits.to(weight.dtype) @ weight  # [C*S, H]
+        # Invalid rows are already 0 unless their logits were not finite (0 * nan); masking [C*S, H] here is
+        # cheaper than masking [C*S, V] above, and matmul rows are independent.
+        grad_rows = torch.where(valid.reshape(-1, 1), grad_rows, torch.zeros_like(grad_rows))
+        grad_hidden = grad_rows.view(chunk, slots, width)
+
+    return _ChunkResult(
+        loss_sum=(slot_weight * term).sum(),
+        weight_sum=slot_weight.sum(),
+        valid=valid,
+        correct=correct,
+        prefix=prefix,
+        grad_hidden=grad_hidden,
+    )
+
+
+def _slot_loss_weights(*, accept_ce: Tensor, valid: Tensor, spec: _LossSpec) -> Tensor:
+    """[C, S] detached weights of slots 1..B-1, zero on invalid slots."""
+    if spec.weighting == "exp":
+        weights = spec.slot_weight.to(accept_ce.dtype).expand_as(accept_ce)
+    else:
+        # D-PACE: p_i approximates the chance that slot i is accepted (from the CE against the label greedy
+        # verification checks, so soft labels use the target's argmax). w_j = sum_{m>=j} prod_{i<=m} p_i is how
+        # much the expected acceptance length gains from slot j.
+        # An invalid slot gets p_i = 0: acceptance can never pass it (the document or the response ends, or the
+        # block runs off the row), so the slots behind it add nothing to the acceptance length and get no weight,
+        # even when they are valid again (e.g. the next assistant turn), and the slots before it do not count
+        # acceptance beyond it.
+        alpha = spec.dpace_alpha
+        accept_prob = (1.0 - alpha) * torch.exp(-accept_ce) + alpha  # [C, S]
+        accept_prob = torch.where(valid, accept_prob, torch.zeros_like(accept_prob))
+        reach = torch.cumprod(accept_prob, dim=1)  # P(slots 1..m all accepted)
+        weights = reach.flip(1).cumsum(dim=1).flip(1)  # [C, S] sum over m >= j
+    return torch.where(valid, weights, torch.zeros_like(weights))
