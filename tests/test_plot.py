@@ -1,0 +1,88 @@
+"""Run plots: PNG curves from a synthetic metrics.jsonl, robust to short files and missing metrics."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+
+from dflash_trainer.train.plot import _smoothed, plot_run
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def write_metrics(path, records, tail: str = "") -> None:
+    path.write_text("".join(json.dumps(record) + "\n" for record in records) + tail)
+
+
+def synthetic_run(num_steps: int, num_slots: int = 6) -> list[dict]:
+    records = []
+    for step in range(1, num_steps + 1):
+        progress = step / num_steps
+        per_slot = [0.9 * progress * 0.85**slot for slot in range(num_slots)]
+        tau = 1 + sum(math.prod(per_slot[: k + 1]) for k in range(num_slots))
+        records.append(
+            {
+                "step": step,
+                "time": 1.7e9 + step,
+                "wall": float(step),
+                "loss": 6.0 * (1 - 0.8 * progress) + 0.1 * math.sin(step),
+                "acc_per_slot": per_slot,
+                "acc": sum(per_slot) / num_slots,
+                "tau": tau,
+                "lr": 6e-4 * min(1.0, step / 5) * 0.5 * (1 + math.cos(math.pi * progress)),
+            }
+        )
+        if step % 10 == 0:
+            records.append({"step": step, "time": 1.7e9 + step, "wall": float(step), "eval_tau": tau + 0.3})
+            records.append({"step": step, "time": 1.7e9 + step, "wall": float(step), "eval_loss": 4.0 - progress})
+    return records
+
+
+def assert_png(path) -> None:
+    data = path.read_bytes()
+    assert data[:8] == PNG_MAGIC, path
+    assert len(data) > 5000, (path, len(data))
+
+
+def test_full_run_produces_all_plots(tmp_path):
+    write_metrics(tmp_path / "metrics.jsonl", synthetic_run(40))
+    paths = plot_run(tmp_path)
+    assert [path.name for path in paths] == ["loss.png", "accuracy.png", "tau.png", "lr.png"]
+    for path in paths:
+        assert path.parent == tmp_path / "plots"
+        assert_png(path)
+
+
+def test_short_partial_file_plots_what_it_has(tmp_path):
+    write_metrics(tmp_path / "metrics.jsonl", [{"step": 1, "wall": 0.5, "loss": 5.0}], tail='{"step": 2, "lo')
+    out_dir = tmp_path / "elsewhere"
+    paths = plot_run(tmp_path, out_dir=out_dir)
+    assert paths == [out_dir / "loss.png"]
+    assert_png(paths[0])
+
+
+def test_accuracy_without_per_slot_lists_and_no_plottable_metrics(tmp_path):
+    write_metrics(tmp_path / "metrics.jsonl", [{"step": 1, "acc": 0.2}, {"step": 2, "acc": 0.4}])
+    assert [path.name for path in plot_run(tmp_path)] == ["accuracy.png"]
+    empty_run = tmp_path / "empty"
+    empty_run.mkdir()
+    write_metrics(empty_run / "metrics.jsonl", [{"step": 1, "tokens_per_s": 10.0}])
+    assert plot_run(empty_run) == []
+
+
+def test_missing_metrics_file_names_the_path(tmp_path):
+    with pytest.raises(FileNotFoundError, match=r"metrics\.jsonl"):
+        plot_run(tmp_path)
+
+
+def test_moving_average_matches_a_direct_window_mean():
+    values = np.arange(40, dtype=np.float64) ** 1.5
+    values[7] = np.nan
+    smooth = _smoothed(values)
+    window = 2  # ceil(40 * 0.05)
+    expected = [np.nanmean(values[max(0, index - window + 1) : index + 1]) for index in range(len(values))]
+    np.testing.assert_allclose(smooth, expected)
+    assert _smoothed(values[:10]) is None
