@@ -1,0 +1,318 @@
+"""Token-budget batches: per-epoch shuffle, optional packing, sharding over ranks, mid-epoch resume, collation.
+
+How an epoch's batches are formed (deterministic in `(seed, epoch, lengths)` and the settings, identical on
+every rank):
+
+1. Shuffle the sample indices with `numpy.random.default_rng([seed, epoch])`.
+2. Rows. Without packing, each sample is a row. With packing, samples are placed first-fit, in shuffled
+   order, into up to `PACKING_OPEN_ROWS` open rows of at most `max_seq_len` tokens; a sample that fits none
+   opens a new row, closing the fullest open row when all are in use. Bounding the open rows keeps this
+   linear in the number of samples.
+3. Batches. Rows are taken in windows of about `SORT_WINDOW_BATCHES` batches' worth (rows or tokens), sorted
+   by length (longest first) within each window, and cut greedily into batches with at most `max_batch_size`
+   rows and `rows * longest_row <= token_budget`. Sorting within a window groups rows of similar length, which
+   cuts padding, while the shuffle still decides which samples meet.
+4. The batch order is shuffled with the same generator, so long and short batches alternate over the epoch.
+5. The global batch list is dealt round-robin, batch i to rank i % world_size. When its length is not a
+   multiple of world_size, `drop_last=True` drops the last (length % world_size) batches (their samples sit
+   this epoch out; a different set every epoch); `drop_last=False` completes the last round with the epoch's
+   first batches again (their samples are seen twice). Either way every rank runs the same number of steps,
+   which collective operations need.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from dflash_trainer.data.shards import TokenDataset
+
+PACKING_OPEN_ROWS = 32
+SORT_WINDOW_BATCHES = 8
+
+
+@dataclass(frozen=True)
+class BatchPlan:
+    # Sample indices per row, in the order they are laid out in the row.
+    rows: list[list[int]]
+    epoch: int
+    # Position of this batch among this rank's batches of the epoch (0 .. len(sampler) - 1).
+    index: int
+
+
+@dataclass
+class PackedBatch:
+    input_ids: torch.Tensor  # [R, T] int64, pad_token_id on padding
+    loss_mask: torch.Tensor  # [R, T] bool, False on padding
+    doc_ids: torch.Tensor  # [R, T] int64, document index within the row, -1 on padding
+    position_ids: torch.Tensor  # [R, T] int64, position within the document, 0 on padding
+    # One per document, in row-major order.
+    sample_ids: list[str]
+    # Non-padding tokens, known on the host without a device sync.
+    num_tokens: int
+
+    def to(self, device: torch.device | str, non_blocking: bool = False) -> PackedBatch:
+        return PackedBatch(
+            input_ids=self.input_ids.to(device, non_blocking=non_blocking),
+            loss_mask=self.loss_mask.to(device, non_blocking=non_blocking),
+            doc_ids=self.doc_ids.to(device, non_blocking=non_blocking),
+            position_ids=self.position_ids.to(device, non_blocking=non_blocking),
+            sample_ids=self.sample_ids,
+            num_tokens=self.num_tokens,
+        )
+
+
+class TokenBudgetSampler:
+    """Yields this rank's `BatchPlan`s for the current epoch (see the module docstring for how they are formed).
+
+    Resume: `state_dict()` records the epoch and how many batches this rank's iterator has handed out in it.
+    Take it once every batch handed out has been trained on; after `load_state_dict`, iterating yields exactly
+    the batches of that epoch not yet handed out. The state is the same on every rank, so rank 0 may save it.
+    """
+
+    def __init__(
+        self,
+        lengths: Sequence[int] | np.ndarray,
+        token_budget: int,
+        max_seq_len: int,
+        max_batch_size: int,
+        packing: bool,
+        seed: int,
+        rank: int = 0,
+        world_size: int = 1,
+        drop_last: bool = False,
+    ):
+        lengths = np.asarray(lengths, dtype=np.int64)
+        if lengths.ndim != 1 or lengths.size == 0:
+            raise ValueError(f"lengths must be a non-empty 1-D sequence, got shape {list(lengths.shape)}")
+        if max_seq_len < 1:
+            raise ValueError(f"max_seq_len must be >= 1, got {max_seq_len}")
+        if token_budget < max_seq_len:
+            raise ValueError(f"token_budget ({token_budget}) must be >= max_seq_len ({max_seq_len}) so every row fits")
+        if max_batch_size < 1:
+            raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
+        if world_size < 1 or not 0 <= rank < world_size:
+            raise ValueError(f"need 0 <= rank < world_size, got rank={rank}, world_size={world_size}")
+        bad = np.flatnonzero((lengths < 1) | (lengths > max_seq_len))
+        if bad.size:
+            raise ValueError(
+                f"sample {int(bad[0])} has length {int(lengths[bad[0]])}, outside [1, max_seq_len={max_seq_len}] "
+                f"({bad.size} such samples); load the data with the same max_seq_len"
+            )
+        self.lengths = lengths
+        self.token_budget = token_budget
+        self.max_seq_len = max_seq_len
+        self.max_batch_size = max_batch_size
+        self.packing = packing
+        self.seed = seed
+        self.rank = rank
+        self.world_size = world_size
+        self.drop_last = drop_last
+        self.epoch = 0
+        self._consumed = 0
+        # Planning an epoch walks every sample in Python: done once per epoch, shared by __len__ and __iter__.
+        self._planned_epoch: int | None = None
+        self._planned: list[list[list[int]]] = []
+
+    def set_epoch(self, epoch: int) -> None:
+        """Switch to `epoch`; a no-op for the current epoch, so a resumed position survives the usual call."""
+        if epoch != self.epoch:
+            self.epoch = epoch
+            self._consumed = 0
+
+    def __len__(self) -> int:
+        return len(self._rank_batches(self.epoch))
+
+    def batches_in_epoch(self, epoch: int) -> int:
+        """This rank's batch count in `epoch` (it varies a little with packing), leaving the position alone.
+
+        For schedules that need the total number of steps up front.
+        """
+        if epoch == self._planned_epoch:
+            return len(self._planned)
+        return len(self._plan_rank_batches(epoch))
+
+    def __iter__(self) -> Iterator[BatchPlan]:
+        epoch = self.epoch
+        batches = self._rank_batches(epoch)
+        while self._consumed < len(batches) and self.epoch == epoch:
+            index = self._consumed
+            # Counted when handed out, so a state_dict taken while the batch is trained on already skips it.
+            self._consumed += 1
+            yield BatchPlan(rows=batches[index], epoch=epoch, index=index)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"epoch": self.epoch, "consumed": self._consumed, **self._settings()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        differing = [
+            f"{key}: saved {state.get(key)!r}, now {value!r}"
+            for key, value in self._settings().items()
+            if state.get(key) != value
+        ]
+        if differing:
+            raise ValueError(
+                "sampler state comes from other data or settings, so the batch order would not continue: "
+                + "; ".join(differing)
+            )
+        self.epoch = int(state["epoch"])
+        consumed = int(state["consumed"])
+        available = len(self._rank_batches(self.epoch))
+        if not 0 <= consumed <= available:
+            raise ValueError(f"sampler state: consumed={consumed} outside [0, {available}] for epoch {self.epoch}")
+        self._consumed = consumed
+
+    def _settings(self) -> dict[str, Any]:
+        # What the batch order depends on besides the epoch; a resume with any of these changed would silently
+        # train on a different order (rank is excluded: every rank's state is the same).
+        return {
+            "seed": self.seed,
+            "world_size": self.world_size,
+            "num_samples": int(self.lengths.size),
+            "num_tokens": int(self.lengths.sum()),
+            "token_budget": self.token_budget,
+            "max_seq_len": self.max_seq_len,
+            "max_batch_size": self.max_batch_size,
+            "packing": self.packing,
+            "drop_last": self.drop_last,
+        }
+
+    def _rank_batches(self, epoch: int) -> list[list[list[int]]]:
+        if self._planned_epoch != epoch:
+            self._planned = self._plan_rank_batches(epoch)
+            self._planned_epoch = epoch
+        return self._planned
+
+    def _plan_rank_batches(self, epoch: int) -> list[list[list[int]]]:
+        batches = plan_epoch(
+            self.lengths,
+            epoch=epoch,
+            seed=self.seed,
+            token_budget=self.token_budget,
+            max_seq_len=self.max_seq_len,
+            max_batch_size=self.max_batch_size,
+            packing=self.packing,
+        )
+        return _deal(batches, rank=self.rank, world_size=self.world_size, drop_last=self.drop_last)
+
+
+def plan_epoch(
+    lengths: np.ndarray,
+    *,
+    epoch: int,
+    seed: int,
+    token_budget: int,
+    max_seq_len: int,
+    max_batch_size: int,
+    packing: bool,
+) -> list[list[list[int]]]:
+    """The epoch's global batch list (before dealing to ranks): batches of rows of sample indices."""
+    rng = np.random.default_rng([seed, epoch])
+    order = rng.permutation(lengths.size).tolist()
+    length_of = lengths.tolist()
+    rows = _pack_rows(order, length_of, max_seq_len) if packing else [[i] for i in order]
+    row_lengths = [sum(length_of[i] for i in row) for row in rows]
+    batches = _cut_batches(rows, row_lengths, token_budget=token_budget, max_batch_size=max_batch_size)
+    return [batches[i] for i in rng.permutation(len(batches))]
+
+
+def _pack_rows(order: list[int], length_of: list[int], max_seq_len: int) -> list[list[int]]:
+    """First-fit packing into a bounded set of open rows, in `order`."""
+    closed: list[list[int]] = []
+    open_rows: list[list[int]] = []
+    open_lengths: list[int] = []
+    for index in order:
+        length = length_of[index]
+        for j, used in enumerate(open_lengths):
+            if used + length <= max_seq_len:
+                open_rows[j].append(index)
+                open_lengths[j] = used + length
+                if open_lengths[j] == max_seq_len:
+                    closed.append(open_rows.pop(j))
+                    open_lengths.pop(j)
+                break
+        else:
+            if len(open_rows) == PACKING_OPEN_ROWS:
+                fullest = max(range(len(open_lengths)), key=open_lengths.__getitem__)
+                closed.append(open_rows.pop(fullest))
+                open_lengths.pop(fullest)
+            open_rows.append([index])
+            open_lengths.append(length)
+    return closed + open_rows
+
+
+def _cut_batches(
+    rows: list[list[int]], row_lengths: list[int], *, token_budget: int, max_batch_size: int
+) -> list[list[list[int]]]:
+    """Sort rows by length within windows, then cut them greedily into batches within the budget."""
+    window_rows = SORT_WINDOW_BATCHES * max_batch_size
+    window_tokens = SORT_WINDOW_BATCHES * token_budget
+    ordered: list[int] = []
+    window: list[int] = []
+    window_used = 0
+    for r, length in enumerate(row_lengths):
+        window.append(r)
+        window_used += length
+        if len(window) == window_rows or window_used >= window_tokens or r == len(rows) - 1:
+            ordered.extend(sorted(window, key=lambda w: -row_lengths[w]))
+            window, window_used = [], 0
+
+    batches: list[list[list[int]]] = []
+    current: list[list[int]] = []
+    longest = 0
+    for r in ordered:
+        longest_with_row = max(longest, row_lengths[r])
+        if current and (len(current) == max_batch_size or (len(current) + 1) * longest_with_row > token_budget):
+            batches.append(current)
+            current, longest_with_row = [], row_lengths[r]
+        current.append(rows[r])
+        longest = longest_with_row
+    batches.append(current)
+    return batches
+
+
+def _deal(batches: list[list[list[int]]], *, rank: int, world_size: int, drop_last: bool) -> list[list[list[int]]]:
+    """Batch i to rank i % world_size, with the same number of batches on every rank."""
+    remainder = len(batches) % world_size
+    if remainder and drop_last:
+        batches = batches[: len(batches) - remainder]
+    elif remainder:
+        batches = batches + [batches[i % len(batches)] for i in range(world_size - remainder)]
+    return batches[rank::world_size]
+
+
+def collate(dataset: TokenDataset, plan: BatchPlan, pad_token_id: int) -> PackedBatch:
+    """Lay out the plan's rows as [R, T] tensors, T = longest row; documents sit back to back in a row."""
+    if not plan.rows or not all(plan.rows):
+        raise ValueError(f"batch {plan.index} of epoch {plan.epoch}: empty batch or row in {plan.rows}")
+    lengths = dataset.lengths
+    row_lengths = [int(lengths[row].sum()) for row in plan.rows]
+    num_rows, width = len(plan.rows), max(row_lengths)
+    input_ids = np.full((num_rows, width), pad_token_id, dtype=np.int64)
+    loss_mask = np.zeros((num_rows, width), dtype=bool)
+    doc_ids = np.full((num_rows, width), -1, dtype=np.int64)
+    position_ids = np.zeros((num_rows, width), dtype=np.int64)
+    sample_ids: list[str] = []
+    for r, row in enumerate(plan.rows):
+        start = 0
+        for doc, index in enumerate(row):
+            sample = dataset[index]
+            end = start + len(sample.input_ids)
+            input_ids[r, start:end] = sample.input_ids
+            loss_mask[r, start:end] = sample.loss_mask
+            doc_ids[r, start:end] = doc
+            position_ids[r, start:end] = np.arange(end - start)
+            sample_ids.append(sample.id)
+            start = end
+    return PackedBatch(
+        input_ids=torch.from_numpy(input_ids),
+        loss_mask=torch.from_numpy(loss_mask),
+        doc_ids=torch.from_numpy(doc_ids),
+        position_ids=torch.from_numpy(position_ids),
+        sample_ids=sample_ids,
+        num_tokens=sum(row_lengths),
+    )

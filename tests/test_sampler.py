@@ -1,0 +1,326 @@
+"""Token-budget sampler: coverage per epoch, budgets, determinism, rank sharding, resume, and collation."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import numpy as np
+import pytest
+import torch
+
+from dflash_trainer.data.sampler import BatchPlan, TokenBudgetSampler, collate, plan_epoch
+from dflash_trainer.data.shards import TokenDataset
+
+MAX_SEQ_LEN = 64
+BUDGET = 256
+MAX_ROWS = 6
+
+
+def random_lengths(n: int = 300, seed: int = 1) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    # Mostly short samples with some long ones, as in chat data.
+    return np.where(rng.random(n) < 0.8, rng.integers(1, 16, n), rng.integers(16, MAX_SEQ_LEN + 1, n))
+
+
+def make_sampler(lengths: np.ndarray, packing: bool, seed: int = 0, **kwargs) -> TokenBudgetSampler:
+    return TokenBudgetSampler(
+        lengths,
+        token_budget=BUDGET,
+        max_seq_len=MAX_SEQ_LEN,
+        max_batch_size=MAX_ROWS,
+        packing=packing,
+        seed=seed,
+        **kwargs,
+    )
+
+
+def flat_samples(plans: list[BatchPlan]) -> list[int]:
+    return [i for plan in plans for row in plan.rows for i in row]
+
+
+def global_batches(lengths: np.ndarray, packing: bool, epoch: int, seed: int = 0) -> list[list[list[int]]]:
+    return plan_epoch(
+        lengths,
+        epoch=epoch,
+        seed=seed,
+        token_budget=BUDGET,
+        max_seq_len=MAX_SEQ_LEN,
+        max_batch_size=MAX_ROWS,
+        packing=packing,
+    )
+
+
+@pytest.mark.parametrize("packing", [False, True])
+def test_single_rank_sees_every_sample_once_per_epoch(packing: bool) -> None:
+    lengths = random_lengths()
+    sampler = make_sampler(lengths, packing)
+    for epoch in range(3):
+        sampler.set_epoch(epoch)
+        plans = list(sampler)
+        assert len(plans) == len(sampler)
+        assert [p.index for p in plans] == list(range(len(plans)))
+        assert all(p.epoch == epoch for p in plans)
+        assert sorted(flat_samples(plans)) == list(range(len(lengths)))
+
+
+@pytest.mark.parametrize("packing", [False, True])
+def test_budget_max_rows_and_row_length_hold(packing: bool) -> None:
+    lengths = random_lengths()
+    sampler = make_sampler(lengths, packing)
+    for plan in sampler:
+        row_lengths = [int(lengths[row].sum()) for row in plan.rows]
+        assert 1 <= len(plan.rows) <= MAX_ROWS
+        assert len(plan.rows) * max(row_lengths) <= BUDGET
+        assert max(row_lengths) <= MAX_SEQ_LEN
+        if not packing:
+            assert all(len(row) == 1 for row in plan.rows)
+
+
+def test_packing_reduces_padding() -> None:
+    lengths = random_lengths()
+    padded = {}
+    for packing in (False, True):
+        plans = list(make_sampler(lengths, packing))
+        padded[packing] = sum(len(p.rows) * max(int(lengths[r].sum()) for r in p.rows) for p in plans)
+        if packing:
+            assert max(len(row) for p in plans for row in p.rows) > 1
+    real = int(lengths.sum())
+    assert padded[True] < padded[False]
+    # First-fit packing of mostly short samples leaves little padding.
+    assert real / padded[True] > 0.9
+
+
+def test_budget_equal_to_max_seq_len_gives_one_row_per_long_batch() -> None:
+    lengths = np.array([64, 64, 10, 20, 30])
+    sampler = TokenBudgetSampler(lengths, token_budget=64, max_seq_len=64, max_batch_size=8, packing=True, seed=0)
+    plans = list(sampler)
+    assert sorted(flat_samples(plans)) == [0, 1, 2, 3, 4]
+    assert all(len(p.rows) == 1 for p in plans)
+    assert len(plans) == 3  # [64], [64], and the three short ones packed into one row of 60
+
+
+@pytest.mark.parametrize("packing", [False, True])
+def test_order_changes_with_epoch_and_is_reproducible(packing: bool) -> None:
+    lengths = random_lengths()
+    first = make_sampler(lengths, packing, seed=5)
+    again = make_sampler(lengths, packing, seed=5)
+    other_seed = make_sampler(lengths, packing, seed=6)
+    epoch0 = [p.rows for p in first]
+    assert epoch0 == [p.rows for p in again]
+    assert epoch0 != [p.rows for p in other_seed]
+    first.set_epoch(1)
+    epoch1 = [p.rows for p in first]
+    assert flat_samples([BatchPlan(r, 1, 0) for r in epoch1]) != flat_samples([BatchPlan(r, 0, 0) for r in epoch0])
+    again.set_epoch(1)
+    assert epoch1 == [p.rows for p in again]
+
+
+@pytest.mark.parametrize("world_size", [2, 3, 4])
+@pytest.mark.parametrize("drop_last", [False, True])
+def test_ranks_split_the_epoch(world_size: int, drop_last: bool) -> None:
+    lengths = random_lengths()
+    epoch = 2
+    reference = global_batches(lengths, packing=True, epoch=epoch)
+    remainder = len(reference) % world_size
+    per_rank = []
+    for rank in range(world_size):
+        sampler = make_sampler(lengths, True, rank=rank, world_size=world_size, drop_last=drop_last)
+        sampler.set_epoch(epoch)
+        per_rank.append([p.rows for p in sampler])
+    assert len({len(batches) for batches in per_rank}) == 1, "every rank must run the same number of steps"
+    for rank, batches in enumerate(per_rank):
+        assert batches[: len(reference[rank::world_size])] == reference[rank::world_size][: len(batches)]
+
+    seen = Counter(i for batches in per_rank for batch in batches for row in batch for i in row)
+    expected = Counter(range(len(lengths)))
+    if drop_last:
+        dropped = reference[len(reference) - remainder :] if remainder else []
+        expected.subtract(i for batch in dropped for row in batch for i in row)
+    else:
+        repeated = reference[: (world_size - remainder) % world_size]
+        expected.update(i for batch in repeated for row in batch for i in row)
+    assert seen == +expected
+    if remainder == 0:
+        assert seen == Counter(range(len(lengths))), "exactly once across ranks"
+
+
+def test_ranks_cover_each_sample_exactly_once_when_batches_divide() -> None:
+    # 12 samples of the maximum length, one per row and two rows per batch: 6 batches over 3 ranks.
+    lengths = np.full(12, MAX_SEQ_LEN)
+    seen: list[int] = []
+    for rank in range(3):
+        sampler = TokenBudgetSampler(
+            lengths,
+            token_budget=128,
+            max_seq_len=MAX_SEQ_LEN,
+            max_batch_size=8,
+            packing=True,
+            seed=3,
+            rank=rank,
+            world_size=3,
+        )
+        assert len(sampler) == 2
+        seen += flat_samples(list(sampler))
+    assert sorted(seen) == list(range(12))
+
+
+@pytest.mark.parametrize("world_size", [1, 3])
+def test_mid_epoch_resume_yields_exactly_the_remaining_batches(world_size: int) -> None:
+    lengths = random_lengths()
+    rank = world_size - 1
+    original = make_sampler(lengths, True, seed=9, rank=rank, world_size=world_size)
+    original.set_epoch(1)
+    reference = make_sampler(lengths, True, seed=9, rank=rank, world_size=world_size)
+    reference.set_epoch(1)
+    full_epoch = [(p.rows, p.index) for p in reference]
+
+    iterator = iter(original)
+    taken = [next(iterator) for _ in range(5)]
+    state = original.state_dict()
+    assert state["epoch"] == 1 and state["consumed"] == 5
+
+    resumed = make_sampler(lengths, True, seed=9, rank=rank, world_size=world_size)
+    resumed.load_state_dict(state)
+    resumed.set_epoch(1)  # the trainer's usual call must not restart the epoch
+    assert len(resumed) == len(full_epoch)
+    rest = [(p.rows, p.index) for p in resumed]
+    assert [(p.rows, p.index) for p in taken] + rest == full_epoch
+    assert rest[0][1] == 5
+
+    # At the end of the epoch, the state says "nothing left" and the next epoch starts from its beginning.
+    finished = resumed.state_dict()
+    assert finished["consumed"] == len(full_epoch)
+    after_end = make_sampler(lengths, True, seed=9, rank=rank, world_size=world_size)
+    after_end.load_state_dict(finished)
+    assert list(after_end) == []
+    after_end.set_epoch(2)
+    reference.set_epoch(2)
+    assert [p.rows for p in after_end] == [p.rows for p in reference]
+
+
+def test_batches_in_epoch_matches_iteration_and_keeps_the_position() -> None:
+    lengths = random_lengths()
+    sampler = make_sampler(lengths, True, rank=1, world_size=2)
+    counts = []
+    for epoch in range(3):
+        probe = make_sampler(lengths, True, rank=1, world_size=2)
+        probe.set_epoch(epoch)
+        counts.append(len(list(probe)))
+    iterator = iter(sampler)
+    next(iterator)
+    assert [sampler.batches_in_epoch(e) for e in range(3)] == counts
+    assert sampler.state_dict()["consumed"] == 1
+    assert len(list(iterator)) == counts[0] - 1
+
+
+def test_resume_with_other_settings_is_refused() -> None:
+    lengths = random_lengths()
+    state = make_sampler(lengths, True, seed=1).state_dict()
+    with pytest.raises(ValueError, match="seed: saved 1, now 2"):
+        make_sampler(lengths, True, seed=2).load_state_dict(state)
+    with pytest.raises(ValueError, match="num_samples"):
+        make_sampler(lengths[:-1], True, seed=1).load_state_dict(state)
+    with pytest.raises(ValueError, match="consumed=10000"):
+        make_sampler(lengths, True, seed=1).load_state_dict({**state, "consumed": 10000})
+
+
+def test_rejects_samples_longer_than_max_seq_len_and_small_budgets() -> None:
+    with pytest.raises(ValueError, match="sample 1 has length 65"):
+        make_sampler(np.array([3, MAX_SEQ_LEN + 1, 5]), True)
+    with pytest.raises(ValueError, match="token_budget"):
+        TokenBudgetSampler([3], token_budget=32, max_seq_len=64, max_batch_size=4, packing=True, seed=0)
+    with pytest.raises(ValueError, match="rank"):
+        make_sampler(np.array([3]), True, rank=2, world_size=2)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Collation.
+
+
+def dataset_from(samples: list[tuple[str, list[int], list[int]]]) -> TokenDataset:
+    offsets = np.cumsum([0] + [len(ids) for _, ids, _ in samples])
+    return TokenDataset(
+        sample_ids=[s[0] for s in samples],
+        tokens=np.concatenate([s[1] for s in samples]),
+        loss_mask=np.concatenate([s[2] for s in samples]),
+        offsets=offsets,
+        manifest={},
+    )
+
+
+def test_collate_hand_built_batch() -> None:
+    dataset = dataset_from(
+        [
+            ("s0", [11, 12, 13], [0, 1, 1]),
+            ("s1", [21, 22], [1, 0]),
+            ("s2", [31, 32, 33, 34], [0, 0, 1, 1]),
+            ("s3", [41], [1]),
+        ]
+    )
+    plan = BatchPlan(rows=[[0, 1], [2], [3, 1]], epoch=0, index=0)
+    batch = collate(dataset, plan, pad_token_id=-7)
+    pad = -7
+    expected_ids = [
+        [11, 12, 13, 21, 22],
+        [31, 32, 33, 34, pad],
+        [41, 21, 22, pad, pad],
+    ]
+    expected_mask = [
+        [0, 1, 1, 1, 0],
+        [0, 0, 1, 1, 0],
+        [1, 1, 0, 0, 0],
+    ]
+    expected_docs = [
+        [0, 0, 0, 1, 1],
+        [0, 0, 0, 0, -1],
+        [0, 1, 1, -1, -1],
+    ]
+    expected_positions = [
+        [0, 1, 2, 0, 1],
+        [0, 1, 2, 3, 0],
+        [0, 0, 1, 0, 0],
+    ]
+    assert batch.input_ids.dtype == torch.int64
+    assert batch.loss_mask.dtype == torch.bool
+    assert batch.doc_ids.dtype == torch.int64
+    assert batch.position_ids.dtype == torch.int64
+    assert batch.input_ids.tolist() == expected_ids
+    assert batch.loss_mask.int().tolist() == expected_mask
+    assert batch.doc_ids.tolist() == expected_docs
+    assert batch.position_ids.tolist() == expected_positions
+    assert batch.sample_ids == ["s0", "s1", "s2", "s3", "s1"]
+    assert batch.num_tokens == 5 + 4 + 3
+
+    moved = batch.to("cpu")
+    assert torch.equal(moved.doc_ids, batch.doc_ids) and moved.num_tokens == batch.num_tokens
+
+
+def test_collate_rejects_empty_rows() -> None:
+    dataset = dataset_from([("s0", [1], [1])])
+    with pytest.raises(ValueError, match="empty batch or row"):
+        collate(dataset, BatchPlan(rows=[[0], []], epoch=3, index=4), pad_token_id=0)
+
+
+def test_sampler_and_collate_on_a_dataset_cover_all_tokens() -> None:
+    rng = np.random.default_rng(0)
+    samples = []
+    for i in range(40):
+        length = int(rng.integers(2, 30))
+        mask = rng.integers(0, 2, length)
+        mask[-1] = 1
+        samples.append((f"s{i}", rng.integers(0, 1000, length).tolist(), mask.tolist()))
+    dataset = dataset_from(samples)
+    sampler = TokenBudgetSampler(
+        dataset.lengths, token_budget=96, max_seq_len=32, max_batch_size=4, packing=True, seed=0
+    )
+    total_tokens = 0
+    total_loss = 0
+    for plan in sampler:
+        batch = collate(dataset, plan, pad_token_id=0)
+        rows, width = batch.input_ids.shape
+        assert rows * width <= 96
+        assert batch.num_tokens == int((batch.doc_ids >= 0).sum())
+        total_tokens += batch.num_tokens
+        total_loss += int(batch.loss_mask.sum())
+    assert total_tokens == dataset.stats.tokens
+    assert total_loss == dataset.stats.loss_tokens
