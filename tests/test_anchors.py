@@ -63,9 +63,7 @@ def test_sampling_covers_every_valid_anchor_when_the_limit_allows():
 def test_fixed_slot_count_pads_with_keep_false():
     doc_ids, loss_mask, _ = packed_row()
     loss_mask = torch.cat([loss_mask, torch.zeros_like(loss_mask)])  # second row has no valid anchor
-    anchors, keep = sample_anchors(
-        loss_mask=loss_mask, doc_ids=doc_ids.repeat(2, 1), max_anchors=3, num_slots=8
-    )
+    anchors, keep = sample_anchors(loss_mask=loss_mask, doc_ids=doc_ids.repeat(2, 1), max_anchors=3, num_slots=8)
     assert anchors.shape == (2, 8)
     assert keep[0].sum() == 6 and not keep[1].any()
     assert (anchors[~keep] == 0).all()

@@ -65,9 +65,7 @@ def test_mask_mod_matches_brute_force(block_size, window, causal_in_block):
             causal_in_block=causal_in_block,
         )
         q_len = anchors.shape[1] * block_size
-        dense = dense_mask(
-            mask_mod, rows=2, q_len=q_len, kv_len=doc_ids.shape[1] + q_len, device=torch.device("cpu")
-        )
+        dense = dense_mask(mask_mod, rows=2, q_len=q_len, kv_len=doc_ids.shape[1] + q_len, device=torch.device("cpu"))
         expected = reference_mask(anchors, keep, doc_ids, block_size, window, causal_in_block)
         assert torch.equal(dense[:, 0], expected)
 

@@ -126,9 +126,7 @@ def test_context_at_or_after_anchor_and_other_documents_do_not_leak(leak_setup):
             a = int(batch.anchors[r, n])
             doc = batch.doc_ids[r, a]
             forbidden = torch.ones(batch.features.shape[1], dtype=torch.bool)
-            forbidden[:a] = (
-                batch.doc_ids[r, :a] != doc
-            )  # earlier positions of other documents are forbidden too
+            forbidden[:a] = batch.doc_ids[r, :a] != doc  # earlier positions of other documents are forbidden too
             features = batch.features.clone()
             features[r, forbidden] += torch.randn_like(features[r, forbidden])
             with torch.no_grad():

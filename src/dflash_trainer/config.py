@@ -195,6 +195,39 @@ class PrepareConfig:
 
 
 @dataclass
+class PlacementConfig:
+    """How ranks share the work (DESIGN §4). Empty rank lists = colocated: every rank runs target and drafter."""
+
+    # Disaggregated: global ranks that run only the target, and ranks that run only the drafter.
+    target_ranks: list[int] = field(default_factory=list)
+    drafter_ranks: list[int] = field(default_factory=list)
+    # Feature batches in flight per drafter rank (sent, not yet consumed).
+    queue_depth: int = 4
+    # Send the K tapped layers as K tensors and concatenate on the drafter side.
+    split_features: bool = False
+    # Gradient sync of drafter replicas: DDP, or FSDP2 (sharded parameters) for large drafters.
+    sharding: Literal["ddp", "fsdp2"] = "ddp"
+    # Seconds before a blocked collective / send / receive fails the job instead of hanging.
+    timeout_s: float = 120.0
+
+    @property
+    def disaggregated(self) -> bool:
+        return bool(self.target_ranks or self.drafter_ranks)
+
+    def validate(self) -> None:
+        _require(self.queue_depth >= 1, "placement.queue_depth", "must be >= 1")
+        _require(self.timeout_s > 0, "placement.timeout_s", "must be > 0")
+        if self.disaggregated:
+            _require(
+                bool(self.target_ranks) and bool(self.drafter_ranks),
+                "placement",
+                "disaggregated placement needs both target_ranks and drafter_ranks",
+            )
+            overlap = set(self.target_ranks) & set(self.drafter_ranks)
+            _require(not overlap, "placement.drafter_ranks", f"ranks {sorted(overlap)} are also target ranks")
+
+
+@dataclass
 class RunConfig:
     # Where checkpoints, metrics and plots go.
     run_dir: str = "runs/default"
@@ -209,6 +242,7 @@ class RunConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
+    placement: PlacementConfig = field(default_factory=PlacementConfig)
 
 
 def _require(ok: bool, key: str, message: str) -> None:

@@ -18,9 +18,7 @@ from torch import Tensor
 def valid_anchor_mask(loss_mask: Tensor, doc_ids: Tensor) -> Tensor:
     """[R, T] bool: positions that may anchor a block."""
     valid = torch.zeros_like(loss_mask, dtype=torch.bool)
-    valid[:, :-1] = (
-        loss_mask[:, :-1] & loss_mask[:, 1:] & (doc_ids[:, :-1] == doc_ids[:, 1:]) & (doc_ids[:, :-1] >= 0)
-    )
+    valid[:, :-1] = loss_mask[:, :-1] & loss_mask[:, 1:] & (doc_ids[:, :-1] == doc_ids[:, 1:]) & (doc_ids[:, :-1] >= 0)
     return valid
 
 
@@ -78,9 +76,7 @@ def _slot_offsets(block_size: int, device: torch.device) -> Tensor:
 def block_input_ids(*, input_ids: Tensor, anchors: Tensor, block_size: int, mask_token_id: int) -> Tensor:
     """[R, N*B]: `[x_a, MASK, ..., MASK]` per block."""
     rows, num_blocks = anchors.shape
-    blocks = torch.full(
-        (rows, num_blocks, block_size), mask_token_id, dtype=input_ids.dtype, device=input_ids.device
-    )
+    blocks = torch.full((rows, num_blocks, block_size), mask_token_id, dtype=input_ids.dtype, device=input_ids.device)
     blocks[:, :, 0] = torch.gather(input_ids, 1, anchors)
     return blocks.view(rows, num_blocks * block_size)
 
@@ -115,9 +111,7 @@ def block_labels(
     index, in_bounds = block_token_index(anchors=anchors, block_size=block_size, length=input_ids.shape[1])
     flat = index.view(rows, -1)
     labels = torch.gather(input_ids, 1, flat).view(rows, num_blocks, block_size)
-    same_doc = torch.gather(doc_ids, 1, flat).view_as(index) == torch.gather(doc_ids, 1, anchors).unsqueeze(
-        -1
-    )
+    same_doc = torch.gather(doc_ids, 1, flat).view_as(index) == torch.gather(doc_ids, 1, anchors).unsqueeze(-1)
     supervised = torch.gather(loss_mask.bool(), 1, flat).view_as(index)
     not_anchor_slot = _slot_offsets(block_size, anchors.device) >= 1
     valid = anchor_keep.unsqueeze(-1) & in_bounds & same_doc & supervised & not_anchor_slot

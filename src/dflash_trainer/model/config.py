@@ -16,9 +16,7 @@ SLIDING_ATTENTION = "sliding_attention"
 def default_target_layer_ids(num_target_layers: int, num_features: int) -> list[int]:
     """K taps spread evenly from layer 1 to L-3 (0-indexed decoder layers; a tap reads the layer's output)."""
     if num_target_layers < 4:
-        raise ValueError(
-            f"need a target with at least 4 layers to spread taps over 1..L-3, got {num_target_layers}"
-        )
+        raise ValueError(f"need a target with at least 4 layers to spread taps over 1..L-3, got {num_target_layers}")
     if num_features == 1:
         return [num_target_layers // 2]
     span = num_target_layers - 4
@@ -40,9 +38,7 @@ class DrafterModelConfig:
     mask_token_id: int
     rms_norm_eps: float = 1e-6
     # HF rope description, e.g. {"rope_type": "default", "rope_theta": 1e6}; copied from the target.
-    rope_parameters: dict[str, Any] = field(
-        default_factory=lambda: {"rope_type": "default", "rope_theta": 1e6}
-    )
+    rope_parameters: dict[str, Any] = field(default_factory=lambda: {"rope_type": "default", "rope_theta": 1e6})
     max_position_embeddings: int = 40960
     # One entry per drafter layer: FULL_ATTENTION or SLIDING_ATTENTION.
     layer_types: list[str] | None = None
@@ -55,21 +51,15 @@ class DrafterModelConfig:
         if self.layer_types is None:
             self.layer_types = [FULL_ATTENTION] * self.num_hidden_layers
         if len(self.layer_types) != self.num_hidden_layers:
-            raise ValueError(
-                f"layer_types has {len(self.layer_types)} entries for {self.num_hidden_layers} layers"
-            )
+            raise ValueError(f"layer_types has {len(self.layer_types)} entries for {self.num_hidden_layers} layers")
         if SLIDING_ATTENTION in self.layer_types and not self.sliding_window:
             raise ValueError("sliding_attention layers need a positive sliding_window")
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError("num_attention_heads must be a multiple of num_key_value_heads")
         if not 0 <= self.mask_token_id < self.vocab_size:
-            raise ValueError(
-                f"mask_token_id {self.mask_token_id} outside the vocabulary [0, {self.vocab_size})"
-            )
+            raise ValueError(f"mask_token_id {self.mask_token_id} outside the vocabulary [0, {self.vocab_size})")
         if max(self.target_layer_ids) >= self.num_target_layers or min(self.target_layer_ids) < 0:
-            raise ValueError(
-                f"target_layer_ids {self.target_layer_ids} outside 0..{self.num_target_layers - 1}"
-            )
+            raise ValueError(f"target_layer_ids {self.target_layer_ids} outside 0..{self.num_target_layers - 1}")
 
     @property
     def num_features(self) -> int:
@@ -104,9 +94,7 @@ class DrafterModelConfig:
         if not rope:
             rope = {"rope_type": "default", "rope_theta": float(getattr(text, "rope_theta", 1e4))}
         rope = {k: v for k, v in dict(rope).items() if k != "partial_rotary_factor"}
-        layer_types = [
-            SLIDING_ATTENTION if i in sliding_layers else FULL_ATTENTION for i in range(num_layers)
-        ]
+        layer_types = [SLIDING_ATTENTION if i in sliding_layers else FULL_ATTENTION for i in range(num_layers)]
         return cls(
             hidden_size=text.hidden_size,
             num_attention_heads=heads,
@@ -115,9 +103,7 @@ class DrafterModelConfig:
             intermediate_size=intermediate_size or text.intermediate_size,
             num_hidden_layers=num_layers,
             vocab_size=text.vocab_size,
-            target_layer_ids=list(
-                target_layer_ids or default_target_layer_ids(num_target_layers, num_target_features)
-            ),
+            target_layer_ids=list(target_layer_ids or default_target_layer_ids(num_target_layers, num_target_features)),
             num_target_layers=num_target_layers,
             block_size=block_size,
             mask_token_id=mask_token_id,

@@ -1,0 +1,217 @@
+"""`dflash-trainer` subcommands: parse arguments, dispatch, nothing else."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from .config import ConfigError, describe_keys, load_config
+
+RECIPES_DIR = Path(__file__).resolve().parents[2] / "recipes"
+DEFAULT_RECIPE = "smollm2-135m"
+
+
+def resolve_recipe(recipe: str | None) -> Path:
+    """A path to a YAML file, or the name of a file in `recipes/` (`smollm2-135m`)."""
+    name = recipe or DEFAULT_RECIPE
+    path = Path(name)
+    if path.suffix in (".yaml", ".yml") or path.exists():
+        return path
+    candidate = RECIPES_DIR / f"{name}.yaml"
+    if not candidate.is_file():
+        known = sorted(p.stem for p in RECIPES_DIR.glob("*.yaml"))
+        raise ConfigError(f"recipe {name!r}: not a file and not one of {known} in {RECIPES_DIR}")
+    return candidate
+
+
+def keys_help() -> str:
+    rows = describe_keys()
+    width = max(len(key) for key, _, _ in rows)
+    return "\n".join(f"  {key:<{width}}  {value!r}  ({type_name})" for key, type_name, value in rows)
+
+
+def split_recipe_and_overrides(items: list[str]) -> tuple[str | None, list[str]]:
+    if items and "=" not in items[0]:
+        return items[0], items[1:]
+    return None, items
+
+
+def without_option(argv: list[str], option: str) -> list[str]:
+    """argv minus `option VALUE` / `option=VALUE` (the child ranks must not start torchrun again)."""
+    out, skip = [], False
+    for arg in argv:
+        if skip:
+            skip = False
+        elif arg == option:
+            skip = True
+        elif not arg.startswith(option + "="):
+            out.append(arg)
+    return out
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    recipe, overrides = split_recipe_and_overrides(args.items)
+    if args.resume:
+        overrides.append(f"checkpoint.resume={args.resume}")
+    if args.profile_interval is not None:
+        overrides.append(f"metrics.profile_interval={args.profile_interval}")
+    config = load_config(resolve_recipe(recipe), overrides)
+    if args.nproc and args.nproc > 1 and "LOCAL_RANK" not in os.environ:
+        from .launch import torchrun_command
+
+        return subprocess.call(torchrun_command(args.nproc, without_option(sys.argv[1:], "--nproc")))
+    from .launch import StopFlag
+    from .train.pipeline import run_training
+
+    run_training(config, should_stop=StopFlag().install())
+    return 0
+
+
+def cmd_prepare(args: argparse.Namespace) -> int:
+    from .train.pipeline import prepare_command
+
+    prepare_command(
+        inputs=args.input,
+        target=args.target,
+        out_dir=args.out,
+        keep_reasoning=args.keep_reasoning,
+        max_seq_len=args.max_seq_len,
+        on_error=args.on_error,
+        overwrite=args.overwrite,
+        limit=args.limit,
+    )
+    return 0
+
+
+def cmd_regenerate(args: argparse.Namespace) -> int:
+    from .train.pipeline import regenerate_command
+
+    regenerate_command(
+        source=args.input,
+        target=args.target,
+        out_dir=args.out,
+        max_new_tokens=args.max_new_tokens,
+        batch_size=args.batch_size,
+        temperature=args.temperature,
+        limit=args.limit,
+    )
+    return 0
+
+
+def cmd_eval(args: argparse.Namespace) -> int:
+    from .train.pipeline import eval_command
+
+    eval_command(
+        drafter_path=args.drafter,
+        target=args.target,
+        datasets=args.datasets,
+        num_prompts=args.num_prompts,
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        out_dir=args.out,
+        dtype=args.dtype,
+    )
+    return 0
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    from .train.pipeline import export_command
+
+    export_command(checkpoint=args.checkpoint, out_dir=args.out, dtype=args.dtype)
+    return 0
+
+
+def cmd_plot(args: argparse.Namespace) -> int:
+    from .train.plot import plot_run
+
+    for path in plot_run(args.run_dir):
+        print(path)
+    return 0
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from .bench import run_bench
+
+    run_bench(recipe=resolve_recipe(args.recipe), overrides=args.overrides, steps=args.steps, warmup=args.warmup)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="dflash-trainer", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    train = sub.add_parser(
+        "train",
+        help="train a drafter from a recipe",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="dflash-trainer train [RECIPE] [key.path=value ...]\n\n"
+        f"RECIPE is a YAML file or a name in recipes/ (default {DEFAULT_RECIPE}).\n\nConfig keys and defaults:\n"
+        + keys_help(),
+    )
+    train.add_argument("items", nargs="*", help="recipe, then overrides like optim.lr=3e-4")
+    train.add_argument("--resume", help="resume from this checkpoint directory (default: newest in run_dir)")
+    train.add_argument("--profile-interval", type=float, help="seconds between per-stage profiler reports")
+    train.add_argument("--nproc", type=int, default=0, help="start N local ranks through torchrun")
+    train.set_defaults(run=cmd_train)
+
+    prepare = sub.add_parser("prepare", help="tokenise chat data into training shards")
+    prepare.add_argument("--input", nargs="+", required=True, help="chat JSONL files or saved datasets")
+    prepare.add_argument("--target", default="smollm2-135m", help="target whose tokenizer and chat template to use")
+    prepare.add_argument("--out", required=True, help="shard directory to write")
+    prepare.add_argument("--keep-reasoning", action="store_true", help="keep <think> traces in the responses")
+    prepare.add_argument("--max-seq-len", type=int, default=None, help="drop conversations longer than this")
+    prepare.add_argument("--on-error", choices=["raise", "skip"], default="raise")
+    prepare.add_argument("--overwrite", action="store_true")
+    prepare.add_argument("--limit", type=int, default=None)
+    prepare.set_defaults(run=cmd_prepare)
+
+    regen = sub.add_parser("regenerate", help="replace assistant turns with the target's own responses")
+    regen.add_argument("--input", required=True, help="chat JSONL file, or a prompt set (gsm8k:train, mtbench, ...)")
+    regen.add_argument("--target", default="smollm2-135m")
+    regen.add_argument("--out", required=True, help="output directory (chat JSONL shards; resumable)")
+    regen.add_argument("--max-new-tokens", type=int, default=256)
+    regen.add_argument("--batch-size", type=int, default=16)
+    regen.add_argument("--temperature", type=float, default=0.0)
+    regen.add_argument("--limit", type=int, default=None)
+    regen.set_defaults(run=cmd_regenerate)
+
+    evaluate = sub.add_parser("eval", help="speculative decoding: tau, speedup, lossless check")
+    evaluate.add_argument("--drafter", required=True, help="exported drafter, training checkpoint, or run dir")
+    evaluate.add_argument("--target", default=None, help="target (default: the one in the checkpoint's config)")
+    evaluate.add_argument("--datasets", nargs="+", default=["gsm8k", "mtbench", "humaneval"])
+    evaluate.add_argument("--num-prompts", type=int, default=20)
+    evaluate.add_argument("--max-new-tokens", type=int, default=128)
+    evaluate.add_argument("--temperature", type=float, default=0.0)
+    evaluate.add_argument("--dtype", default="auto", help="target dtype (float32 for the strict lossless check)")
+    evaluate.add_argument("--out", default=None, help="where eval.json and the histogram go")
+    evaluate.set_defaults(run=cmd_eval)
+
+    export = sub.add_parser("export", help="write a DFlash checkpoint that vLLM / SGLang / z-lab load")
+    export.add_argument("checkpoint", help="training checkpoint directory or run dir (newest checkpoint)")
+    export.add_argument("--out", required=True)
+    export.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
+    export.set_defaults(run=cmd_export)
+
+    plot = sub.add_parser("plot", help="draw loss / accuracy / tau curves of a run as PNG")
+    plot.add_argument("run_dir")
+    plot.set_defaults(run=cmd_plot)
+
+    bench = sub.add_parser("bench", help="time training steps on synthetic data (GPU benchmark)")
+    bench.add_argument("recipe", nargs="?", default=None)
+    bench.add_argument("overrides", nargs="*")
+    bench.add_argument("--steps", type=int, default=10)
+    bench.add_argument("--warmup", type=int, default=3)
+    bench.set_defaults(run=cmd_bench)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.run(args)
+    except ConfigError as error:
+        print(f"config error: {error}", file=sys.stderr)
+        return 2

@@ -1,0 +1,1 @@
+"""Rank roles, process groups and feature transport between ranks (torch.distributed only)."""

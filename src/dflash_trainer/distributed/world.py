@@ -1,0 +1,63 @@
+"""Who this process is: rank, world size, device, and the process groups of its placement.
+
+Launched by torchrun (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT in the environment) or as a plain single
+process. NCCL on GPU, gloo on CPU. Collectives get a timeout so that a dead peer turns into an error on every
+rank within `timeout_s` instead of a hang.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass
+class World:
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    backend: str | None = None
+
+    @property
+    def distributed(self) -> bool:
+        return self.world_size > 1
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def launched_by_torchrun() -> bool:
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+def init_world(device: str = "auto", *, timeout_s: float = 60.0) -> World:
+    """Join the job's process group when launched by torchrun; otherwise a one-process world."""
+    use_cuda = device == "cuda" or (device == "auto" and torch.cuda.is_available()) or device.startswith("cuda")
+    if not launched_by_torchrun():
+        chosen = torch.device("cuda" if use_cuda else "cpu") if device == "auto" else torch.device(device)
+        return World(device=chosen)
+    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if use_cuda:
+        torch.cuda.set_device(local_rank)
+        chosen, backend = torch.device("cuda", local_rank), "nccl"
+    else:
+        chosen, backend = torch.device("cpu"), "gloo"
+    if not dist.is_initialized():
+        dist.init_process_group(
+            backend=backend,
+            timeout=datetime.timedelta(seconds=timeout_s),
+            device_id=chosen if backend == "nccl" else None,
+        )
+    return World(rank=rank, world_size=world_size, local_rank=local_rank, device=chosen, backend=backend)
+
+
+def shutdown_world(world: World) -> None:
+    if world.distributed and dist.is_initialized():
+        dist.destroy_process_group()

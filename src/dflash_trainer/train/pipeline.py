@@ -1,0 +1,293 @@
+"""What the subcommands run: the main job (data if missing -> train -> evaluate -> plot) and the tools around it.
+
+The README's main command is `dflash-trainer train`: with the default recipe it regenerates the GSM8K training
+prompts with the target and tokenises them (both cached on disk, skipped on later runs), trains, evaluates tau on
+held-out prompts, exports the drafter and draws the curves.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from ..config import RunConfig, config_from_dict
+from ..data.prepare import prepare
+from ..data.prompts import load_prompt_set
+from ..distributed.world import World, init_world, shutdown_world
+from ..target.loader import LoadedTarget, load_target
+from . import checkpoint as ckpt
+from .trainer import Trainer, TrainSummary
+
+
+def parse_prompt_source(source: str) -> tuple[str, str]:
+    """`gsm8k:train` -> ("gsm8k", "train"); a bare name or path uses split `all`."""
+    if ":" in source and not Path(source).exists():
+        name, split = source.split(":", 1)
+        return name, split
+    return source, "all"
+
+
+def write_prompt_chats(source: str, out_file: Path, *, limit: int | None) -> Path:
+    """Prompt set -> chat JSONL whose assistant turn is the set's reference answer (no regeneration)."""
+    name, split = parse_prompt_source(source)
+    prompts = load_prompt_set(name, split=split, limit=limit)
+    out_file.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out_file.with_suffix(".tmp")
+    with tmp.open("w") as f:
+        for prompt in prompts:
+            if prompt.reference is None:
+                raise ValueError(f"prompt set {source}: prompt {prompt.id} has no reference answer; use regenerate")
+            messages = [*prompt.messages, {"role": "assistant", "content": prompt.reference}]
+            f.write(json.dumps({"id": prompt.id, "messages": messages}) + "\n")
+    tmp.rename(out_file)
+    return out_file
+
+
+def regenerated_chats(source: str, target: LoadedTarget, out_dir: Path, config: RunConfig) -> list[Path]:
+    from ..target.regenerate import regenerate
+
+    name, split = parse_prompt_source(source)
+    if Path(source).exists():
+        records = source
+    else:
+        prompts = load_prompt_set(name, split=split, limit=config.prepare.limit)
+        records = [{"id": p.id, "messages": list(p.messages)} for p in prompts]
+    regenerate(
+        records,
+        target,
+        out_dir,
+        max_new_tokens=config.prepare.max_new_tokens,
+        batch_size=config.prepare.regenerate_batch_size,
+        limit=config.prepare.limit,
+    )
+    return sorted(out_dir.glob("regen-*.jsonl"))
+
+
+def ensure_train_data(config: RunConfig, target: LoadedTarget, log: Callable[[str], object] = print) -> Path:
+    """Build `data.train_shards` from `prepare.source` when it does not exist yet (cached afterwards)."""
+    shards = Path(config.data.train_shards)
+    if (shards / "manifest.json").is_file():
+        return shards
+    source = config.prepare.source
+    if not source:
+        raise FileNotFoundError(
+            f"data.train_shards={shards}: no shards there and no prepare.source to build them from "
+            "(run `dflash-trainer prepare` or set prepare.source)"
+        )
+    if config.prepare.regenerate:
+        log(f"regenerating responses for {source} with the target (cached in {shards}-chat)")
+        inputs = regenerated_chats(source, target, Path(f"{shards}-chat"), config)
+    else:
+        inputs = [write_prompt_chats(source, Path(f"{shards}-chat") / "chats.jsonl", limit=config.prepare.limit)]
+    summary = prepare(
+        inputs,
+        target.tokenizer,
+        target.name,
+        shards,
+        keep_reasoning=config.prepare.keep_reasoning,
+        max_seq_len=config.data.max_seq_len,
+        on_error="skip",
+    )
+    log(summary.format())
+    return shards
+
+
+def load_config_target(config: RunConfig, device: str | None = None) -> LoadedTarget:
+    return load_target(
+        config.target.name_or_path,
+        dtype=config.target.dtype,
+        device=device or config.target.device,
+        cache_dir=config.target.cache_dir,
+        attn_implementation=config.target.attn_implementation,
+    )
+
+
+def wait_for_shards(shards: Path, poll_s: float = 2.0) -> None:
+    """Non-main ranks wait while rank 0 builds the data (minutes: longer than any collective timeout).
+    If rank 0 dies, torchrun ends this process."""
+    while not (shards / "manifest.json").is_file():
+        time.sleep(poll_s)
+
+
+def run_training(config: RunConfig, *, should_stop: Callable[[], bool] = lambda: False) -> TrainSummary:
+    world = init_world(config.target.device, timeout_s=config.placement.timeout_s)
+    try:
+        return _run_training(config, world, should_stop)
+    finally:
+        shutdown_world(world)
+
+
+def _run_training(config: RunConfig, world: World, should_stop: Callable[[], bool]) -> TrainSummary:
+    target = load_config_target(config, device=str(world.device))
+    if world.is_main:
+        ensure_train_data(config, target)
+    else:
+        wait_for_shards(Path(config.data.train_shards))
+    trainer = Trainer(config, should_stop=should_stop, target=target, world=world)
+    summary = trainer.fit()
+    run_dir = Path(config.run_dir)
+    if not world.is_main:
+        return summary
+    if summary.interrupted:
+        print(f"stopped at step {summary.steps}; resume with the same command. checkpoint: {summary.last_checkpoint}")
+        return summary
+    export_dir = run_dir / "export"
+    from ..export import export_drafter
+
+    export_drafter(trainer.drafter, export_dir)
+    if config.eval.at_end:
+        from ..eval.runner import evaluate
+
+        trainer.drafter.eval()
+        report = evaluate(
+            target,
+            trainer.drafter,
+            config.eval.datasets,
+            num_prompts=config.eval.num_prompts,
+            max_new_tokens=config.eval.max_new_tokens,
+            temperature=config.eval.temperature,
+            out_dir=run_dir / "eval",
+        )
+        print(report.format_table())
+    plots = []
+    if config.metrics.plot_at_end:
+        from .plot import plot_run
+
+        plots = plot_run(run_dir)
+    print(f"checkpoint: {summary.last_checkpoint}")
+    print(f"exported drafter (vLLM / SGLang format): {export_dir}")
+    print(f"metrics: {run_dir / 'metrics.jsonl'} (TensorBoard: {run_dir / 'tb'})")
+    if plots:
+        print(f"plots: {', '.join(str(p) for p in plots)}")
+    if config.eval.at_end:
+        print(f"evaluation: {run_dir / 'eval'}")
+    return summary
+
+
+# ---------------------------------------------------------------------------------------------- subcommands
+
+
+def prepare_command(
+    *,
+    inputs: list[str],
+    target: str,
+    out_dir: str,
+    keep_reasoning: bool,
+    max_seq_len: int | None,
+    on_error: str,
+    overwrite: bool,
+    limit: int | None,
+) -> None:
+    loaded = load_target(target, device="cpu")
+    summary = prepare(
+        inputs,
+        loaded.tokenizer,
+        loaded.name,
+        out_dir,
+        keep_reasoning=keep_reasoning,
+        max_seq_len=max_seq_len,
+        on_error=on_error,
+        overwrite=overwrite,
+        limit=limit,
+    )
+    print(summary.format())
+
+
+def regenerate_command(
+    *,
+    source: str,
+    target: str,
+    out_dir: str,
+    max_new_tokens: int,
+    batch_size: int,
+    temperature: float,
+    limit: int | None,
+) -> None:
+    from ..target.regenerate import regenerate
+
+    loaded = load_target(target)
+    if Path(source).exists():
+        records = source
+    else:
+        name, split = parse_prompt_source(source)
+        records = [{"id": p.id, "messages": list(p.messages)} for p in load_prompt_set(name, split=split, limit=limit)]
+    summary = regenerate(
+        records,
+        loaded,
+        out_dir,
+        max_new_tokens=max_new_tokens,
+        batch_size=batch_size,
+        temperature=temperature,
+        limit=limit,
+    )
+    print(summary.format())
+
+
+def resolve_checkpoint(path: str | Path) -> Path:
+    """A run dir (newest checkpoint), a training checkpoint, or an exported drafter directory."""
+    path = Path(path)
+    if (path / "checkpoints").is_dir():
+        newest = ckpt.latest_checkpoint(path)
+        if newest is None:
+            raise FileNotFoundError(f"{path}: run directory without checkpoints")
+        return newest
+    if not path.is_dir():
+        raise FileNotFoundError(f"{path}: no such checkpoint directory")
+    return path
+
+
+def load_drafter_any(path: str | Path, device: torch.device | str = "cpu"):
+    """Drafter from a training checkpoint (drafter.safetensors) or an exported DFlash checkpoint (config.json)."""
+    from ..export import import_drafter, load_training_drafter
+
+    path = resolve_checkpoint(path)
+    if (path / "drafter.safetensors").is_file():
+        return load_training_drafter(path, device=device), path
+    return import_drafter(path, device=device), path
+
+
+def export_command(*, checkpoint: str, out_dir: str, dtype: str) -> None:
+    from ..export import export_drafter
+
+    drafter, source = load_drafter_any(checkpoint)
+    export_drafter(drafter, out_dir, dtype=getattr(torch, dtype))
+    print(f"exported {source} -> {out_dir}")
+
+
+def eval_command(
+    *,
+    drafter_path: str,
+    target: str | None,
+    datasets: list[str],
+    num_prompts: int,
+    max_new_tokens: int,
+    temperature: float,
+    out_dir: str | None,
+    dtype: str,
+) -> None:
+    from ..eval.runner import evaluate
+
+    drafter, source = load_drafter_any(drafter_path)
+    if target is None:
+        config_file = source / "config.yaml"
+        if not config_file.is_file():
+            raise ValueError(f"{source}: no config.yaml to read the target from; pass --target")
+        import yaml
+
+        target = config_from_dict(yaml.safe_load(config_file.read_text())).target.name_or_path
+    loaded = load_target(target, dtype=dtype)
+    drafter = drafter.to(loaded.device).eval()
+    report = evaluate(
+        loaded,
+        drafter,
+        datasets,
+        num_prompts=num_prompts,
+        max_new_tokens=max_new_tokens,
+        temperature=temperature,
+        out_dir=Path(out_dir) if out_dir else source / "eval",
+    )
+    print(report.format_table())

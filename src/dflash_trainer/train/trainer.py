@@ -1,0 +1,532 @@
+"""The colocated trainer: target forward (no grad) -> features -> drafter forward -> loss -> backward -> step.
+
+Read `fit` top to bottom: it is the whole loop. Each stage is a small method; the profiler times them when on.
+Host syncs in the loop, all commented where they happen: one finiteness check per optimizer step (a NaN step
+must not reach the weights), and converting the metric counters on log steps.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import math
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+
+from ..config import RunConfig
+from ..data.sampler import TokenBudgetSampler, collate
+from ..data.shards import load_shards
+from ..distributed.world import World
+from ..model.anchors import gather_block_states
+from ..model.attention import build_masks, resolve_backend
+from ..model.config import DrafterModelConfig
+from ..model.drafter import DFlashDrafter
+from ..model.loss import LossMetrics, default_gamma, dflash_loss
+from ..model.noise import add_feature_noise, noise_std_at
+from ..target.capture import (
+    FeatureCapture,
+    decoder_module,
+    embedding_module,
+    lm_head_module,
+    model_supports_packing,
+)
+from ..target.loader import LoadedTarget, find_spare_mask_token_id, load_target
+from . import checkpoint as ckpt
+from .batch import TrainBatch, make_train_batch
+from .metrics import (
+    MetricsLogger,
+    Progress,
+    Throughput,
+    dflash_flops_per_token,
+    format_console_line,
+    measured_peak_flops,
+    mfu,
+    peak_memory_gib,
+)
+from .optim import build_optimizer, build_scheduler
+from .profiler import StageProfiler
+
+
+class NonFiniteLossError(RuntimeError):
+    """The loss or gradients of a step were NaN/inf (and `train.on_nonfinite` is `stop`)."""
+
+
+@dataclass
+class TrainSummary:
+    run_dir: Path
+    steps: int
+    interrupted: bool
+    last_checkpoint: Path | None
+    final_loss: float | None
+    final_tau: float | None
+    skipped_nonfinite_steps: int
+    data_stats: dict
+
+
+def drafter_model_config(config: RunConfig, target: LoadedTarget) -> DrafterModelConfig:
+    """The one place the drafter's architecture is derived from the recipe and the target."""
+    drafter = config.drafter
+    mask_token_id = drafter.mask_token_id
+    if mask_token_id is None:
+        mask_token_id = find_spare_mask_token_id(target.tokenizer, target.config, stop_token_ids=target.stop_token_ids)
+    return DrafterModelConfig.from_target(
+        target.config,
+        num_layers=drafter.num_layers,
+        block_size=drafter.block_size,
+        mask_token_id=mask_token_id,
+        target_layer_ids=drafter.target_layer_ids,
+        num_target_features=drafter.num_target_features,
+        intermediate_size=drafter.intermediate_size,
+        sliding_layers=drafter.sliding_layers,
+        sliding_window=drafter.sliding_window,
+        sliding_causal_in_block=drafter.sliding_causal_in_block,
+    )
+
+
+def _single_device(requested: str) -> str:
+    if requested == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return requested
+
+
+class Trainer:
+    def __init__(
+        self,
+        config: RunConfig,
+        *,
+        should_stop: Callable[[], bool] = lambda: False,
+        log: Callable[[str], object] = print,
+        target: LoadedTarget | None = None,
+        world: World | None = None,
+    ) -> None:
+        self.config = config
+        self.should_stop = should_stop
+        self.world = world or World(device=torch.device(_single_device(config.target.device)))
+        self.log = log if self.world.is_main else (lambda _: None)
+        self.run_dir = Path(config.run_dir)
+        self.device = self.world.device
+        torch.manual_seed(config.train.seed)
+        self.target = target or load_target(
+            config.target.name_or_path,
+            dtype=config.target.dtype,
+            device=str(self.device),
+            cache_dir=config.target.cache_dir,
+            attn_implementation=config.target.attn_implementation,
+        )
+        self._setup_data()
+        self._setup_drafter()
+        self._setup_optimizer()
+        self.step = 0
+        self.skipped_nonfinite = 0
+        self.stop_agreed = False
+        self.profiler = StageProfiler.from_env(
+            config.metrics.profile_interval, self.device, sink=self.log, label=f"rank{self.world.rank}"
+        )
+
+    # ------------------------------------------------------------------------------------------------ setup
+
+    def _setup_data(self) -> None:
+        data = self.config.data
+        if not data.train_shards:
+            raise ValueError("data.train_shards: no shard directory given (run `dflash-trainer prepare` first)")
+        self.dataset = load_shards(
+            data.train_shards,
+            vocab_size=self.target.config.vocab_size,
+            max_seq_len=data.max_seq_len,
+            overlong=data.overlong,
+        )
+        packing = data.packing
+        if packing and not model_supports_packing(self.target.model):
+            # Linear-attention (recurrent) layers would carry state across packed documents.
+            self.log(
+                f"data.packing: {type(self.target.model).__name__} cannot keep packed documents apart; one per row"
+            )
+            packing = False
+        self.sampler = TokenBudgetSampler(
+            self.dataset.lengths,
+            token_budget=data.token_budget,
+            max_seq_len=data.max_seq_len,
+            max_batch_size=data.max_batch_size,
+            packing=packing,
+            seed=data.seed,
+            rank=self.world.rank,
+            world_size=self.world.world_size,
+        )
+        pad = self.target.tokenizer.pad_token_id
+        self.pad_token_id = 0 if pad is None else pad
+        self.total_steps = self._count_total_steps()
+
+    def _count_total_steps(self) -> int:
+        accum = self.config.optim.grad_accum
+        total = 0
+        for epoch in range(self.config.train.epochs):
+            total += math.ceil(self.sampler.batches_in_epoch(epoch) / accum)
+        if self.config.train.max_steps is not None:
+            total = min(total, self.config.train.max_steps)
+        return total
+
+    def _setup_drafter(self) -> None:
+        self.model_config = drafter_model_config(self.config, self.target)
+        if self.config.drafter.init_from:
+            from ..export import import_drafter
+
+            self.drafter = import_drafter(self.config.drafter.init_from, device=self.device, dtype=torch.float32)
+            self.model_config = self.drafter.config
+        else:
+            self.drafter = DFlashDrafter(self.model_config).to(self.device)  # fp32 master weights
+        # Replicas start equal: every rank seeds the same init; DDP also broadcasts rank 0's weights.
+        self.ddp = DistributedDataParallel(self.drafter) if self.world.distributed else None
+        self.backend = resolve_backend(self.config.drafter.attention_backend, self.device)
+        self.capture = FeatureCapture(
+            self.target.model,
+            self.model_config.target_layer_ids,
+            need_final_hidden=self.config.loss.label_source != "data",
+        )
+        self.embed = embedding_module(self.target.model)
+        self.lm_head = lm_head_module(self.target.model)
+        self.gamma = self.config.loss.gamma or default_gamma(self.model_config.block_size)
+        precision = self.config.train.precision
+        use_bf16 = precision == "bf16" or (precision == "auto" and self.device.type == "cuda")
+        self.autocast_dtype = torch.bfloat16 if use_bf16 else None
+
+    def _setup_optimizer(self) -> None:
+        fused = self.device.type == "cuda"
+        self.optimizer = build_optimizer(self.drafter, self.config.optim, fused=fused)
+        self.scheduler = build_scheduler(self.optimizer, self.config.optim, total_steps=self.total_steps)
+
+    def flops_per_token(self, blocks_per_token: float) -> float:
+        deepest = max(self.model_config.target_layer_ids)
+        layers = decoder_module(self.target.model).layers[: deepest + 1]
+        target_params = sum(p.numel() for layer in layers for p in layer.parameters())
+        return dflash_flops_per_token(
+            target_params_used=target_params,
+            drafter_params=sum(p.numel() for p in self.drafter.parameters()),
+            blocks_per_token=blocks_per_token,
+            block_size=self.model_config.block_size,
+            hidden=self.model_config.hidden_size,
+            vocab=self.model_config.vocab_size,
+        )
+
+    # ------------------------------------------------------------------------------------------------ loop
+
+    def fit(self) -> TrainSummary:
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        resumed_from = self.maybe_resume()
+        self.logger = MetricsLogger(
+            self.run_dir,
+            tensorboard=self.config.metrics.tensorboard,
+            is_main=self.world.is_main,
+            resume_step=self.step if resumed_from else 0,
+        )
+        self.progress = Progress(
+            self.total_steps, initial=self.step, enabled=self.config.metrics.progress_bar and self.world.is_main
+        )
+        self.throughput = Throughput()
+        self.window_metrics = LossMetrics.zeros(self.model_config.block_size, device=self.device)
+        self.window_blocks = 0
+        last_checkpoint, interrupted, last_values = resumed_from, False, {}
+        self.log(
+            f"training {self.total_steps} steps on {self.device} | target {self.target.name} | drafter "
+            f"{sum(p.numel() for p in self.drafter.parameters()) / 1e6:.2f}M params, "
+            f"layers {self.model_config.num_hidden_layers}, "
+            f"block {self.model_config.block_size}, taps {self.model_config.target_layer_ids} | "
+            f"{self.dataset.stats.samples} samples, {self.dataset.stats.tokens} tokens | run dir {self.run_dir}"
+        )
+        try:
+            for micro_batches in self._step_groups():
+                self._optimizer_step(micro_batches)
+                self.progress.update()
+                if self.step % self.config.metrics.log_every == 0 or self.step == self.total_steps:
+                    last_values = self._log_step()
+                if self.config.eval.every_steps and self.step % self.config.eval.every_steps == 0:
+                    self._periodic_eval()
+                if self.step % self.config.checkpoint.every_steps == 0:
+                    last_checkpoint = self.save_checkpoint()
+                if self.stop_agreed:
+                    interrupted = True
+                    break
+                if self.step >= self.total_steps:
+                    break
+            if last_checkpoint is None or not last_checkpoint.name.endswith(f"{self.step:08d}"):
+                last_checkpoint = self.save_checkpoint()
+        finally:
+            self.progress.close()
+            self.logger.close()
+        if interrupted:
+            self.log(f"interrupted at step {self.step}: checkpoint {last_checkpoint}")
+        return TrainSummary(
+            run_dir=self.run_dir,
+            steps=self.step,
+            interrupted=interrupted,
+            last_checkpoint=last_checkpoint,
+            final_loss=last_values.get("loss"),
+            final_tau=last_values.get("tau"),
+            skipped_nonfinite_steps=self.skipped_nonfinite,
+            data_stats=dataclasses.asdict(self.dataset.stats),
+        )
+
+    def _step_groups(self) -> Iterator[list[TrainBatch]]:
+        """Micro-batches grouped per optimizer step, across epochs, from the sampler's (resumable) position."""
+        accum = self.config.optim.grad_accum
+        for epoch in range(self.sampler.epoch, self.config.train.epochs):
+            self.sampler.set_epoch(epoch)
+            group: list[TrainBatch] = []
+            for plan in self.sampler:
+                with self.profiler.stage("data"):
+                    group.append(self._make_batch(plan))
+                if len(group) == accum:
+                    yield group
+                    group = []
+            if group:
+                yield group
+
+    def _make_batch(self, plan) -> TrainBatch:
+        packed = collate(self.dataset, plan, self.pad_token_id)
+        batch = make_train_batch(
+            packed,
+            block_size=self.model_config.block_size,
+            mask_token_id=self.model_config.mask_token_id,
+            max_anchors=self.config.data.max_anchors,
+            seed=self.config.data.seed,
+            epoch=plan.epoch,
+            # The global batch number (batch i goes to rank i % world_size): anchors do not depend on the rank count.
+            index=plan.index * self.world.world_size + self.world.rank,
+            pin_memory=self.device.type == "cuda",
+        )
+        return batch.to(self.device)
+
+    def _optimizer_step(self, micro_batches: list[TrainBatch]) -> None:
+        self.drafter.train()
+        step_metrics = LossMetrics.zeros(self.model_config.block_size, device=self.device)
+        for i, batch in enumerate(micro_batches):
+            # DDP all-reduces gradients on the last micro-batch's backward only.
+            last = i == len(micro_batches) - 1
+            sync = contextlib.nullcontext() if self.ddp is None or last else self.ddp.no_sync()
+            with sync:
+                step_metrics.add_(self._forward_backward(batch, scale=1.0 / len(micro_batches)))
+        with self.profiler.stage("optimizer"):
+            grad_norm = torch.nn.utils.clip_grad_norm_(self.drafter.parameters(), self.config.optim.grad_clip)
+            finite = self._agree_step(grad_norm, step_metrics.loss_sum)
+            if finite:
+                self.optimizer.step()
+            else:
+                self._handle_nonfinite(micro_batches)
+            self.optimizer.zero_grad(set_to_none=True)
+            self.scheduler.step()
+        self.step += 1
+        if finite:
+            self.window_metrics.add_(step_metrics)
+        self.last_grad_norm = grad_norm
+        tokens = sum(b.num_tokens for b in micro_batches)
+        self.window_blocks += sum(b.num_blocks for b in micro_batches)
+        self.throughput.record_step(tokens)
+
+    def _agree_step(self, grad_norm: torch.Tensor, loss_sum: torch.Tensor) -> bool:
+        """Sync (one per optimizer step): a NaN/inf step must be caught before it reaches the weights, and all
+        ranks must agree on stopping (a signal can reach them at different steps). One small all-reduce."""
+        flags = torch.stack(
+            [
+                (~(torch.isfinite(grad_norm) & torch.isfinite(loss_sum))).to(torch.float32),
+                torch.tensor(float(self.should_stop()), device=grad_norm.device),
+            ]
+        )
+        if self.world.distributed:
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        nonfinite, stop = flags.tolist()
+        self.stop_agreed = stop > 0
+        return nonfinite == 0
+
+    def _handle_nonfinite(self, micro_batches: list[TrainBatch]) -> None:
+        sample_ids = [sid for batch in micro_batches for sid in batch.sample_ids]
+        message = f"non-finite loss or gradient at step {self.step + 1}; samples {sample_ids[:20]}"
+        if self.config.train.on_nonfinite == "stop":
+            raise NonFiniteLossError(message)
+        self.skipped_nonfinite += 1
+        self.log(f"skipping: {message}")
+
+    def _forward_backward(self, batch: TrainBatch, *, scale: float) -> LossMetrics:
+        with self.profiler.stage("target_forward"):
+            # Rows of one document need no document mask, which keeps SDPA on its flash kernel.
+            doc_ids = batch.doc_ids if batch.packed else None
+            outputs = self.capture.capture(batch.input_ids, batch.position_ids, doc_ids)
+        with self.profiler.stage("feature_pack"):
+            features = self._noisy(outputs.features)
+            with torch.no_grad():
+                block_embeds = self.embed(batch.block_ids)  # [R, N*B, H] frozen target embedding
+        with self.profiler.stage("mask_build"):
+            masks = build_masks(
+                anchors=batch.anchors,
+                anchor_keep=batch.anchor_keep,
+                doc_ids=batch.doc_ids,
+                block_size=self.model_config.block_size,
+                variants=self.drafter.mask_variants,
+                backend=self.backend,
+            )
+        autocast = (
+            torch.autocast(self.device.type, dtype=self.autocast_dtype)
+            if self.autocast_dtype is not None
+            else contextlib.nullcontext()
+        )
+        rows, num_blocks = batch.anchors.shape
+        block = self.model_config.block_size
+        with autocast:
+            with self.profiler.stage("drafter_forward"):
+                hidden = (self.ddp or self.drafter)(
+                    features=features,
+                    block_embeds=block_embeds,
+                    ctx_positions=batch.position_ids,
+                    block_positions=batch.block_pos,
+                    masks=masks,
+                    backend=self.backend,
+                )
+            with self.profiler.stage("loss"):
+                target_hidden = None
+                if outputs.final_hidden is not None:
+                    target_hidden = gather_block_states(
+                        states=outputs.final_hidden, anchors=batch.anchors, block_size=block
+                    )
+                loss_config = self.config.loss
+                # Hand the loss hidden states in the LM head's dtype: an fp32 hidden would copy a bf16 head to fp32.
+                hidden = hidden.to(self.lm_head.weight.dtype).view(rows, num_blocks, block, -1)  # [R, N, B, H]
+                result = dflash_loss(
+                    hidden,
+                    self.lm_head.weight,
+                    batch.labels,
+                    batch.valid,
+                    gamma=self.gamma,
+                    weighting=loss_config.weighting,
+                    dpace_alpha=loss_config.dpace_alpha,
+                    label_source=loss_config.label_source,
+                    target_hidden=target_hidden,
+                    chunk_blocks=loss_config.chunk_blocks,
+                    lm_head_bias=getattr(self.lm_head, "bias", None),
+                )
+        with self.profiler.stage("backward"):
+            (result.loss * scale).backward()
+        return result.metrics
+
+    def _noisy(self, features: torch.Tensor) -> torch.Tensor:
+        noise = self.config.noise
+        if noise.type == "none":
+            return features
+        std = noise_std_at(self.step, self.total_steps, noise.start, noise.end)
+        generator = torch.Generator(device=features.device).manual_seed(self.config.train.seed * 1_000_003 + self.step)
+        return add_feature_noise(features, kind=noise.type, std=std, generator=generator)
+
+    # ------------------------------------------------------------------------------------------------ logging
+
+    def _log_step(self) -> dict:
+        window = self.throughput.take()
+        metrics = self.window_metrics
+        tokens, blocks = window.tokens, self.window_blocks
+        if self.world.distributed:
+            # Sum/total pairs and counts from every rank in one collective.
+            flat = torch.cat(
+                [metrics.to_tensor(), torch.tensor([tokens, blocks], dtype=torch.float64, device=self.device)]
+            )
+            dist.all_reduce(flat)
+            metrics = LossMetrics.from_tensor(flat[:-2])
+            tokens, blocks = int(flat[-2]), int(flat[-1])
+        # Sync (log steps only): device counters become host numbers here and nowhere else.
+        acc_per_slot = metrics.slot_accuracy()[1:].tolist()
+        values = {
+            "epoch": self.sampler.epoch + self.sampler.state_dict()["consumed"] / max(1, len(self.sampler)),
+            "loss": float(metrics.mean_loss()),
+            "acc": sum(acc_per_slot) / max(1, len(acc_per_slot)),
+            "acc_per_slot": acc_per_slot,
+            "tau": float(metrics.expected_acceptance()),
+            "tau_prefix": float(metrics.prefix_acceptance()),
+            "lr": self.scheduler.get_last_lr()[0],
+            "grad_norm": float(self.last_grad_norm),
+            "tokens_per_s": tokens / window.seconds if window.seconds > 0 else 0.0,
+            "step_time_s": window.step_time_s,
+            "peak_mem_gib": peak_memory_gib(self.device),
+        }
+        peak = measured_peak_flops(self.device)
+        if peak is not None and tokens > 0:
+            flops = self.flops_per_token(blocks / tokens)
+            values["mfu"] = mfu(values["tokens_per_s"], flops, peak * self.world.world_size)
+        if self.skipped_nonfinite:
+            values["skipped_steps"] = self.skipped_nonfinite
+        eta = self.progress.eta_seconds()
+        if eta is not None:
+            values["eta_s"] = eta
+        self.logger.log(self.step, values)
+        self.progress.write(format_console_line(self.step, self.total_steps, values))
+        self.profiler.maybe_report(self.step)
+        self.window_metrics = LossMetrics.zeros(self.model_config.block_size, device=self.device)
+        self.window_blocks = 0
+        return values
+
+    def _periodic_eval(self) -> None:
+        from ..eval.runner import quick_tau
+
+        with self.profiler.stage("eval"):
+            eval_config = self.config.eval
+            tau = quick_tau(
+                self.target,
+                self.drafter,
+                datasets=eval_config.datasets,
+                num_prompts=eval_config.num_prompts,
+                max_new_tokens=eval_config.max_new_tokens,
+            )
+        self.logger.log(self.step, {"eval_tau": tau})
+        self.progress.write(f"step {self.step}: eval tau {tau:.3f}")
+
+    # ------------------------------------------------------------------------------------------------ state
+
+    def save_checkpoint(self) -> Path:
+        """Rank 0 writes (replicas are identical); the others wait so nobody races ahead of a half-written one."""
+        path = ckpt.checkpoint_dir(self.run_dir) / f"step-{self.step:08d}"
+        with self.profiler.stage("checkpoint"):
+            if self.world.is_main:
+                self._write_checkpoint()
+            if self.world.distributed:
+                dist.barrier()
+        return path
+
+    def _write_checkpoint(self) -> Path:
+        trainer_state = {
+            "step": self.step,
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict(),
+            "sampler": self.sampler.state_dict(),
+            "rng": ckpt.rng_state(),
+            "skipped_nonfinite": self.skipped_nonfinite,
+            "total_steps": self.total_steps,
+        }
+        path = ckpt.save_checkpoint(
+            run_dir=self.run_dir,
+            step=self.step,
+            drafter_state=self.drafter.state_dict(),
+            drafter_config_json=json.dumps(dataclasses.asdict(self.model_config), indent=2),
+            trainer_state=trainer_state,
+            config=self.config,
+            keep_last=self.config.checkpoint.keep_last,
+        )
+        return path
+
+    def maybe_resume(self) -> Path | None:
+        """`checkpoint.resume`: `auto` = newest checkpoint of the run dir if any, `none` = never, else a path."""
+        choice = self.config.checkpoint.resume
+        if choice == "none":
+            return None
+        path = ckpt.latest_checkpoint(self.run_dir) if choice == "auto" else Path(choice)
+        if path is None:
+            return None
+        drafter_state, state = ckpt.load_checkpoint(path)
+        self.drafter.load_state_dict(drafter_state)
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.sampler.load_state_dict(state["sampler"])
+        ckpt.restore_rng_state(state["rng"])
+        self.step = state["step"]
+        self.skipped_nonfinite = state["skipped_nonfinite"]
+        self.log(f"resumed from {path} at step {self.step}")
+        return path
