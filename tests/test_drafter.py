@@ -194,3 +194,17 @@ def test_tiny_drafter_overfits_fixed_blocks():
         optimizer.step()
     accuracy = (logits.argmax(-1)[valid] == labels[valid]).float().mean()
     assert accuracy >= 0.95, accuracy
+
+
+def test_forward_and_backward_under_bf16_autocast():
+    """The GPU recipe's precision (fp32 master weights, bf16 compute), here on CPU with SDPA."""
+    torch.manual_seed(0)
+    config = tiny_drafter_config()
+    drafter = DFlashDrafter(config)
+    batch = random_packed_batch(config, length=32)
+    embed = torch.nn.Embedding(config.vocab_size, config.hidden_size).requires_grad_(False)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = run_drafter(drafter, batch, embed=embed)
+    assert out.dtype == torch.bfloat16 and torch.isfinite(out).all()
+    out.float().square().mean().backward()
+    assert all(p.grad is not None and p.grad.dtype == torch.float32 for p in drafter.parameters())

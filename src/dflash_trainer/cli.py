@@ -135,7 +135,13 @@ def cmd_plot(args: argparse.Namespace) -> int:
 def cmd_bench(args: argparse.Namespace) -> int:
     from .bench import run_bench
 
-    run_bench(recipe=resolve_recipe(args.recipe), overrides=args.overrides, steps=args.steps, warmup=args.warmup)
+    run_bench(
+        recipe=resolve_recipe(args.recipe or "bench-qwen3-8b"),
+        overrides=args.overrides,
+        steps=args.steps,
+        warmup=args.warmup,
+        out=args.out,
+    )
     return 0
 
 
@@ -204,6 +210,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("overrides", nargs="*")
     bench.add_argument("--steps", type=int, default=10)
     bench.add_argument("--warmup", type=int, default=3)
+    bench.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
     bench.set_defaults(run=cmd_bench)
     return parser
 

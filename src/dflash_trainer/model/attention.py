@@ -144,6 +144,8 @@ def _compiled_flex_attention() -> Callable:
 def attend(q: Tensor, k: Tensor, v: Tensor, mask: object | None, backend: Backend, scale: float) -> Tensor:
     """q [R, Hq, Q, D], k/v [R, Hkv, KV, D] -> [R, Hq, Q, D]. `mask` None means every query sees every key."""
     enable_gqa = q.shape[1] != k.shape[1]
+    # Under autocast the projections give bf16 while norms/rope may give fp32: attend in the value dtype.
+    q, k = q.to(v.dtype), k.to(v.dtype)
     if backend == "flex" and mask is not None:
         from torch.nn.attention.flex_attention import flex_attention
 

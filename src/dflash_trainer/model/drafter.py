@@ -23,7 +23,8 @@ from .config import DrafterModelConfig
 
 
 class RMSNorm(nn.Module):
-    """Qwen3's RMSNorm: normalise in float32, scale in the input dtype."""
+    """Qwen3's RMSNorm: normalise in float32, return the input dtype. (Qwen3 scales in the input dtype; with
+    fp32 master weights under bf16 autocast that would promote the output to fp32, so we scale in fp32 and cast.)"""
 
     def __init__(self, size: int, eps: float) -> None:
         super().__init__()
@@ -34,7 +35,7 @@ class RMSNorm(nn.Module):
         dtype = x.dtype
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(dtype)
+        return (self.weight * x32).to(dtype)
 
 
 def rotate_half(x: Tensor) -> Tensor:
