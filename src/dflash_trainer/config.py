@@ -287,6 +287,12 @@ def _check_value(value: Any, annotation: Any, key: str) -> Any:
         return _build(annotation, value, key)
     if annotation is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
+    if annotation is float and isinstance(value, str):
+        # YAML 1.1 reads `3e-4` (no dot) as a string; accept what Python reads as a number.
+        try:
+            return float(value)
+        except ValueError:
+            pass
     if annotation in (int, float) and isinstance(value, bool):
         raise ConfigError(f"{key}: expected {annotation.__name__}, got bool {value!r}")
     if not isinstance(value, annotation):
@@ -371,6 +377,7 @@ def describe_keys(cls: type = RunConfig, prefix: str = "") -> list[tuple[str, st
         if dataclasses.is_dataclass(hints[f.name]):
             rows.extend(describe_keys(hints[f.name], prefix=f"{key}."))
         else:
-            type_name = str(hints[f.name]).replace("typing.", "")
+            hint = hints[f.name]
+            type_name = hint.__name__ if isinstance(hint, type) else str(hint).replace("typing.", "")
             rows.append((key, type_name, value))
     return rows

@@ -1,0 +1,85 @@
+"""Typed config: recipes, dotted overrides, and errors that name the key before any work starts."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from dflash_trainer.cli import main, resolve_recipe
+from dflash_trainer.config import ConfigError, config_from_dict, config_to_dict, load_config, save_config
+
+RECIPES = Path(__file__).resolve().parents[1] / "recipes"
+
+
+def test_defaults_and_overrides():
+    config = load_config(None, ["optim.lr=3e-4", "drafter.sliding_layers=[0]", "drafter.sliding_window=64"])
+    assert config.optim.lr == 3e-4 and config.drafter.sliding_layers == [0]
+    assert config.train.epochs == 6 and config.drafter.block_size == 16
+
+
+def test_int_is_accepted_for_float_but_not_the_reverse():
+    assert load_config(None, ["optim.lr=1"]).optim.lr == 1.0
+    with pytest.raises(ConfigError, match=r"train\.epochs: expected int, got float"):
+        load_config(None, ["train.epochs=1.5"])
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("optim.learning_rate=1e-3", r"optim\.learning_rate: unknown key"),
+        ("optimizer.lr=1e-3", r"optimizer: unknown key"),
+        ("data.token_budget=lots", r"data\.token_budget: expected int, got str"),
+        ("loss.weighting=linear", r"loss\.weighting: 'linear' is not one of"),
+        ("drafter.target_layer_ids=[1,x]", r"drafter\.target_layer_ids\[1\]: expected int"),
+        ("optim.warmup_ratio=1.5", r"optim\.warmup_ratio: must be in"),
+        ("drafter.sliding_layers=[7]", r"drafter\.sliding_window"),
+        ("placement.target_ranks=[0]", r"placement: disaggregated placement needs both"),
+        ("no_equals_sign", r"expected key\.path=value"),
+    ],
+)
+def test_bad_keys_and_values_name_the_key(override, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(None, [override])
+
+
+def test_unknown_key_in_a_recipe_file(tmp_path):
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(yaml.safe_dump({"data": {"token_budgett": 10}}))
+    with pytest.raises(ConfigError, match=r"data\.token_budgett: unknown key"):
+        load_config(recipe)
+
+
+def test_resolved_config_round_trips_through_yaml(tmp_path):
+    config = load_config(RECIPES / "smollm2-135m.yaml", ["optim.lr=2e-4"])
+    save_config(config, tmp_path / "config.yaml")
+    again = config_from_dict(yaml.safe_load((tmp_path / "config.yaml").read_text()))
+    assert config_to_dict(again) == config_to_dict(config)
+
+
+def test_every_shipped_recipe_loads():
+    recipes = sorted(RECIPES.glob("*.yaml"))
+    assert len(recipes) >= 2
+    for recipe in recipes:
+        load_config(recipe)
+
+
+def test_cli_fails_before_any_work_with_the_key(capsys, tmp_path):
+    code = main(["train", "smollm2-135m", "optim.lrr=1", f"run_dir={tmp_path / 'run'}"])
+    assert code == 2
+    assert "optim.lrr: unknown key" in capsys.readouterr().err
+    assert not (tmp_path / "run").exists()
+
+
+def test_recipe_names_resolve_to_files():
+    assert resolve_recipe(None) == RECIPES / "smollm2-135m.yaml"
+    with pytest.raises(ConfigError, match="recipe 'nope'"):
+        resolve_recipe("nope")
+
+
+def test_help_lists_keys_with_defaults(capsys):
+    with pytest.raises(SystemExit):
+        main(["train", "--help"])
+    out = capsys.readouterr().out
+    assert "optim.lr" in out and "0.0006" in out and "placement.queue_depth" in out
