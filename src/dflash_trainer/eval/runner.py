@@ -1,0 +1,425 @@
+"""Evaluate a drafter against its target: tau, accepted-length histogram, speedup, lossless check.
+
+For every prompt of every dataset (a prompt-set name or a JSONL path, `data/prompts.py`), the chat template is
+applied with the generation prompt, then the target decodes alone (baseline) and with the drafter. Per dataset
+the report gives tau (mean tokens committed per target decoding forward), the histogram of accepted lengths
+1..B, decode throughput with and without the drafter and their ratio (the speedup).
+
+Throughput is measured over the decoding phase only: tokens after the first / time after the prefill. The
+prefill is the same computation in both runs, so leaving it out measures what the drafter changes (as the
+DFlash paper does). One short warm-up generation of each kind runs first so one-time setup is not timed.
+
+Lossless check (temperature 0 only). Every speculative output must equal the target-only greedy output. On a
+difference the target is run on the common prefix and its logits at the divergence point are inspected
+(DESIGN "Lossless check precision"): in float32 any difference raises `LosslessError`; in bf16/fp16 a
+difference where both tokens are within `near_tie_ulps` rounding steps of the target's top logit is a
+*near-tie divergence* (one-token decoding and block verification use different kernel shapes, which may
+round a near-tie either way) and is reported, anything else raises `LosslessError`.
+
+Outputs in `out_dir`: `eval.json` (the report) and `accepted_lengths.png` (the histograms).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from matplotlib.figure import Figure
+from torch import Tensor
+from tqdm import tqdm
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+from ..data.prompts import Prompt, load_prompt_set
+from ..model.drafter import DFlashDrafter
+from ..target.loader import LoadedTarget
+from .speculative import GenerationResult, speculative_generate, target_generate
+
+REPORT_FILE = "eval.json"
+HISTOGRAM_FILE = "accepted_lengths.png"
+# A divergence counts as a near-tie when both tokens' logits are within this many rounding steps (machine
+# epsilon of the target dtype, scaled by the top logit's magnitude) of the target's top logit.
+NEAR_TIE_ULPS = 4.0
+WARMUP_TOKENS = 8
+_EXACT_DTYPES = (torch.float32, torch.float64)
+
+
+class LosslessError(AssertionError):
+    """Speculative decoding produced a token the target's greedy decoding would not have produced."""
+
+    def __init__(
+        self, message: str, *, prompt_id: str, position: int, target_token: int | None, speculative_token: int | None
+    ) -> None:
+        super().__init__(message)
+        self.prompt_id = prompt_id
+        self.position = position
+        self.target_token = target_token
+        self.speculative_token = speculative_token
+
+
+@dataclass
+class NearTieDivergence:
+    prompt_id: str
+    position: int  # index among the new tokens where the outputs first differ
+    target_token: int
+    speculative_token: int
+    # Target's top logit minus the lower of the two tokens' logits, and the tolerance it was held to.
+    logit_gap: float
+    tolerance: float
+
+
+@dataclass
+class DatasetReport:
+    name: str
+    num_prompts: int
+    new_tokens: int  # speculative outputs, all prompts
+    tau: float
+    # accepted_histogram[k-1]: target forwards that committed k tokens (k = 1..B).
+    accepted_histogram: list[int]
+    baseline_tokens_per_s: float
+    speculative_tokens_per_s: float
+    speedup: float
+    lossless_checked: bool
+    exact_matches: int
+    near_ties: list[NearTieDivergence] = field(default_factory=list)
+
+
+@dataclass
+class EvalReport:
+    target: str
+    dtype: str
+    block_size: int
+    temperature: float
+    max_new_tokens: int
+    datasets: list[DatasetReport]
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def format_table(self) -> str:
+        return format_table(self)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Lossless check
+
+
+def first_difference(a: list[int], b: list[int]) -> int | None:
+    """Index of the first differing token (or of the end of the shorter list), None when equal."""
+    for index, (x, y) in enumerate(zip(a, b, strict=False)):
+        if x != y:
+            return index
+    return None if len(a) == len(b) else min(len(a), len(b))
+
+
+@torch.inference_mode()
+def verify_lossless(
+    *,
+    prompt_id: str,
+    target_model: PreTrainedModel,
+    input_ids: Tensor,  # [1, P]
+    target_ids: list[int],
+    speculative_ids: list[int],
+    tokenizer: PreTrainedTokenizerBase | None = None,
+    near_tie_ulps: float = NEAR_TIE_ULPS,
+) -> NearTieDivergence | None:
+    """None when the outputs are identical; a near-tie record in reduced precision; else raises LosslessError."""
+    position = first_difference(target_ids, speculative_ids)
+    if position is None:
+        return None
+    target_token = target_ids[position] if position < len(target_ids) else None
+    speculative_token = speculative_ids[position] if position < len(speculative_ids) else None
+    dtype = target_model.get_input_embeddings().weight.dtype
+    detail = f"in {dtype}"
+    if target_token is not None and speculative_token is not None:
+        prefix = torch.tensor([target_ids[:position]], dtype=input_ids.dtype, device=input_ids.device)
+        logits = target_model(input_ids=torch.cat([input_ids, prefix], dim=1), logits_to_keep=1).logits[0, -1].float()
+        top = float(logits.max())
+        gap = top - min(float(logits[target_token]), float(logits[speculative_token]))
+        tolerance = 0.0 if dtype in _EXACT_DTYPES else near_tie_ulps * torch.finfo(dtype).eps * max(abs(top), 1.0)
+        if gap <= tolerance and dtype not in _EXACT_DTYPES:
+            return NearTieDivergence(prompt_id, position, target_token, speculative_token, gap, tolerance)
+        detail = f"logit gap {gap:.4g} to the top logit, tolerance {tolerance:.4g} in {dtype}"
+    raise LosslessError(
+        f"prompt {prompt_id}: speculative output differs from the target's greedy output at new token {position}: "
+        f"target {_describe(target_token, tokenizer)}, speculative {_describe(speculative_token, tokenizer)} "
+        f"({detail})",
+        prompt_id=prompt_id,
+        position=position,
+        target_token=target_token,
+        speculative_token=speculative_token,
+    )
+
+
+def _describe(token: int | None, tokenizer: PreTrainedTokenizerBase | None) -> str:
+    if token is None:
+        return "<end of output>"
+    if tokenizer is None:
+        return str(token)
+    return f"{token} {tokenizer.decode([token])!r}"
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Evaluation
+
+
+def encode_prompt(tokenizer: PreTrainedTokenizerBase, prompt: Prompt, device: torch.device) -> Tensor:
+    """The prompt's messages through the chat template, with the assistant generation prompt: [1, P]."""
+    text = tokenizer.apply_chat_template(list(prompt.messages), tokenize=False, add_generation_prompt=True)
+    ids = tokenizer(text, add_special_tokens=False, return_tensors="pt").input_ids
+    if ids.shape[1] == 0:
+        raise ValueError(f"prompt {prompt.id}: the chat template produced no tokens")
+    return ids.to(device)
+
+
+def evaluate(
+    target: LoadedTarget,
+    drafter: DFlashDrafter,
+    datasets: list[str],
+    *,
+    num_prompts: int,
+    max_new_tokens: int,
+    temperature: float = 0.0,
+    out_dir: str | Path | None = None,
+    check_lossless: bool = True,
+    progress: bool = True,
+    seed: int = 0,
+) -> EvalReport:
+    """Run the evaluation described in the module docstring; write `eval.json` and the PNG to `out_dir`."""
+    if not datasets:
+        raise ValueError("datasets: need at least one prompt set")
+    prompt_sets = {name: load_prompt_set(name, split="test", limit=num_prompts) for name in datasets}
+    generator = torch.Generator(device=target.device).manual_seed(seed) if temperature > 0 else None
+    was_training = drafter.training
+    drafter.eval()
+    try:
+        _warm_up(target, drafter, next(iter(prompt_sets.values())))
+        reports = [
+            _evaluate_dataset(
+                target,
+                drafter,
+                name,
+                prompts,
+                max_new_tokens=max_new_tokens,
+                temperature=temperature,
+                generator=generator,
+                check=check_lossless and temperature <= 0.0,
+                progress=progress,
+            )
+            for name, prompts in prompt_sets.items()
+        ]
+    finally:
+        drafter.train(was_training)
+    report = EvalReport(
+        target=target.name,
+        dtype=str(target.dtype).removeprefix("torch."),
+        block_size=drafter.config.block_size,
+        temperature=temperature,
+        max_new_tokens=max_new_tokens,
+        datasets=reports,
+    )
+    if out_dir is not None:
+        write_report(report, out_dir)
+    return report
+
+
+def _warm_up(target: LoadedTarget, drafter: DFlashDrafter, prompts: list[Prompt]) -> None:
+    if not prompts:
+        return
+    input_ids = encode_prompt(target.tokenizer, prompts[0], target.device)
+    target_generate(target.model, input_ids, max_new_tokens=WARMUP_TOKENS, stop_token_ids=target.stop_token_ids)
+    speculative_generate(
+        target.model, drafter, input_ids, max_new_tokens=WARMUP_TOKENS, stop_token_ids=target.stop_token_ids
+    )
+
+
+def _evaluate_dataset(
+    target: LoadedTarget,
+    drafter: DFlashDrafter,
+    name: str,
+    prompts: list[Prompt],
+    *,
+    max_new_tokens: int,
+    temperature: float,
+    generator: torch.Generator | None,
+    check: bool,
+    progress: bool,
+) -> DatasetReport:
+    if not prompts:
+        raise ValueError(f"prompt set {name!r}: no prompts")
+    baselines: list[GenerationResult] = []
+    speculative: list[GenerationResult] = []
+    near_ties: list[NearTieDivergence] = []
+    exact = 0
+    for prompt in tqdm(prompts, desc=f"eval {name}", unit="prompt", disable=not progress, dynamic_ncols=True):
+        input_ids = encode_prompt(target.tokenizer, prompt, target.device)
+        baseline = target_generate(
+            target.model,
+            input_ids,
+            max_new_tokens=max_new_tokens,
+            stop_token_ids=target.stop_token_ids,
+            temperature=temperature,
+            generator=generator,
+        )
+        result = speculative_generate(
+            target.model,
+            drafter,
+            input_ids,
+            max_new_tokens=max_new_tokens,
+            stop_token_ids=target.stop_token_ids,
+            temperature=temperature,
+            generator=generator,
+        )
+        baselines.append(baseline)
+        speculative.append(result)
+        if check:
+            near_tie = verify_lossless(
+                prompt_id=prompt.id,
+                target_model=target.model,
+                input_ids=input_ids,
+                target_ids=baseline.output_ids,
+                speculative_ids=result.output_ids,
+                tokenizer=target.tokenizer,
+            )
+            if near_tie is None:
+                exact += 1
+            else:
+                near_ties.append(near_tie)
+
+    histogram = [0] * drafter.config.block_size
+    for result in speculative:
+        for length in result.accepted_lengths:
+            histogram[length - 1] += 1
+    steps = sum(histogram)
+    committed = sum(length * count for length, count in enumerate(histogram, start=1))
+    baseline_rate = _decode_rate(baselines)
+    speculative_rate = _decode_rate(speculative)
+    return DatasetReport(
+        name=name,
+        num_prompts=len(prompts),
+        new_tokens=sum(len(result.output_ids) for result in speculative),
+        tau=committed / steps if steps else 0.0,
+        accepted_histogram=histogram,
+        baseline_tokens_per_s=baseline_rate,
+        speculative_tokens_per_s=speculative_rate,
+        speedup=speculative_rate / baseline_rate if baseline_rate > 0 else 0.0,
+        lossless_checked=check,
+        exact_matches=exact,
+        near_ties=near_ties,
+    )
+
+
+def _decode_rate(results: list[GenerationResult]) -> float:
+    """Tokens per second of the decoding phase: tokens after the first over time after the prefill."""
+    tokens = sum(len(result.output_ids) - 1 for result in results)
+    seconds = sum(result.decode_s for result in results)
+    return tokens / seconds if seconds > 0 else 0.0
+
+
+def quick_tau(
+    target: LoadedTarget,
+    drafter: DFlashDrafter,
+    *,
+    datasets: list[str] | None = None,
+    prompts: list[Prompt] | None = None,
+    num_prompts: int = 8,
+    max_new_tokens: int = 64,
+) -> float:
+    """Greedy tau over a few prompts (given, or the first `num_prompts` of each dataset), without a baseline run:
+    for periodic evaluation during training. The drafter's train/eval mode is restored afterwards."""
+    if prompts is None:
+        if not datasets:
+            raise ValueError("quick_tau: pass prompts or datasets")
+        prompts = [p for name in datasets for p in load_prompt_set(name, split="test", limit=num_prompts)]
+    was_training = drafter.training
+    drafter.eval()
+    committed = forwards = 0
+    try:
+        for prompt in prompts:
+            result = speculative_generate(
+                target.model,
+                drafter,
+                encode_prompt(target.tokenizer, prompt, target.device),
+                max_new_tokens=max_new_tokens,
+                stop_token_ids=target.stop_token_ids,
+            )
+            committed += sum(result.accepted_lengths)
+            forwards += len(result.accepted_lengths)
+    finally:
+        drafter.train(was_training)
+    return committed / forwards if forwards else 0.0
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Report output
+
+
+def format_table(report: EvalReport) -> str:
+    """The console table: one row per dataset, then each dataset's accepted-length distribution."""
+    header = (
+        f"{'dataset':<16}{'prompts':>8}{'tokens':>8}{'tau':>7}{'base tok/s':>12}{'spec tok/s':>12}{'speedup':>9}"
+        "  lossless"
+    )
+    lines = [
+        f"target {report.target} ({report.dtype}), block {report.block_size}, temperature {report.temperature}, "
+        f"max {report.max_new_tokens} new tokens",
+        header,
+        "-" * len(header),
+    ]
+    for data in report.datasets:
+        lines.append(
+            f"{data.name[:15]:<16}{data.num_prompts:>8}{data.new_tokens:>8}{data.tau:>7.2f}"
+            f"{data.baseline_tokens_per_s:>12.1f}{data.speculative_tokens_per_s:>12.1f}{data.speedup:>8.2f}x  "
+            f"{_lossless_summary(data)}"
+        )
+    for data in report.datasets:
+        steps = sum(data.accepted_histogram) or 1
+        shares = " ".join(
+            f"{length}:{100 * count / steps:.0f}%" for length, count in enumerate(data.accepted_histogram, start=1)
+        )
+        lines.append(f"accepted lengths {data.name}: {shares}")
+    return "\n".join(lines)
+
+
+def _lossless_summary(data: DatasetReport) -> str:
+    if not data.lossless_checked:
+        return "not checked"
+    text = f"{data.exact_matches}/{data.num_prompts} identical"
+    if data.near_ties:
+        text += f", {len(data.near_ties)} near-tie divergence(s)"
+    return text
+
+
+def write_report(report: EvalReport, out_dir: str | Path) -> tuple[Path, Path]:
+    """`eval.json` and `accepted_lengths.png` in `out_dir`; returns their paths."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    json_path = out_dir / REPORT_FILE
+    json_path.write_text(json.dumps(report.to_dict(), indent=2) + "\n")
+    png_path = out_dir / HISTOGRAM_FILE
+    histogram_figure(report).savefig(png_path, dpi=110)
+    return json_path, png_path
+
+
+def histogram_figure(report: EvalReport) -> Figure:
+    """Share of target forwards committing k tokens, k = 1..B, one bar group per dataset."""
+    figure = Figure(figsize=(max(6.0, 0.45 * report.block_size + 2), 4.0))
+    axes = figure.add_subplot()
+    count = len(report.datasets)
+    width = 0.8 / count
+    lengths = range(1, report.block_size + 1)
+    for index, data in enumerate(report.datasets):
+        steps = sum(data.accepted_histogram) or 1
+        offsets = [k - 0.4 + width * (index + 0.5) for k in lengths]
+        shares = [c / steps for c in data.accepted_histogram]
+        axes.bar(offsets, shares, width=width, label=f"{data.name} (tau {data.tau:.2f})")
+    axes.set_xticks(list(lengths))
+    axes.set_xlabel("tokens committed per target forward")
+    axes.set_ylabel("share of target forwards")
+    axes.set_title(f"{report.target}: accepted lengths (block {report.block_size}, T={report.temperature})")
+    axes.legend()
+    figure.tight_layout()
+    return figure

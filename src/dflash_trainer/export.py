@@ -1,0 +1,461 @@
+"""DFlash drafter checkpoints in the z-lab `DFlashDraftModel` format (what vLLM and SGLang load), and back.
+
+An export is a directory with
+  config.json        a Qwen3-style config plus the DFlash keys (see `REQUIRED_CONFIG_KEYS`)
+  model.safetensors  the drafter's weights (bf16 by default), without embedding and LM head: the drafter
+                     uses the target's, frozen
+
+Weight names are the same in our `DFlashDrafter`, in z-lab checkpoints and in what vLLM (`qwen3_dflash`) and
+SGLang read, with no prefix, so export and import are plain state-dict saves and loads:
+  fc.weight                                   [H, K*H]    projection of the K concatenated target features
+  hidden_norm.weight                          [H]         RMSNorm of the projected context
+  layers.{i}.input_layernorm.weight           [H]
+  layers.{i}.self_attn.q_proj.weight          [Hq*D, H]   (.bias too with attention_bias, also k/v/o)
+  layers.{i}.self_attn.k_proj.weight          [Hkv*D, H]  applied to context and block tokens alike
+  layers.{i}.self_attn.v_proj.weight          [Hkv*D, H]
+  layers.{i}.self_attn.o_proj.weight          [H, Hq*D]
+  layers.{i}.self_attn.q_norm.weight          [D]
+  layers.{i}.self_attn.k_norm.weight          [D]
+  layers.{i}.post_attention_layernorm.weight  [H]
+  layers.{i}.mlp.gate_proj.weight             [I, H]
+  layers.{i}.mlp.up_proj.weight               [I, H]
+  layers.{i}.mlp.down_proj.weight             [H, I]
+  norm.weight                                 [H]         final norm, read by the target's LM head
+On import, `embed_tokens.*` / `lm_head.*` tensors (some checkpoints ship them) are dropped with a warning.
+
+In-block causality of sliding-window layers (DESIGN §2) is written twice: `dflash_config.sliding_causal_in_block`
+(ours, per-layer exact) and, where it can express it, vLLM's `dflash_config.causal` (one flag for all layers;
+full-attention layers are never causal, so `causal: false` is exact whenever sliding layers are not causal).
+Importing a checkpoint without either key follows vLLM: layers that `layer_types` lists as sliding are causal
+in-block, layers made sliding by `dflash_config.use_swa` (+ `swa_window_size`) are not.
+
+Training checkpoints (`train/checkpoint.py`) hold `drafter.safetensors` (fp32) and `drafter_config.json`
+(`dataclasses.asdict(DrafterModelConfig)`), written and read by `save_drafter_config` / `load_drafter_config`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from .model.config import FULL_ATTENTION, SLIDING_ATTENTION, DrafterModelConfig, default_target_layer_ids
+from .model.drafter import DFlashDrafter
+
+CONFIG_FILE = "config.json"
+WEIGHTS_FILE = "model.safetensors"
+WEIGHTS_INDEX_FILE = "model.safetensors.index.json"
+CHECKPOINT_WEIGHTS_FILE = "drafter.safetensors"
+CHECKPOINT_CONFIG_FILE = "drafter_config.json"
+ARCHITECTURE = "DFlashDraftModel"
+# Keys the reference loaders read from config.json: z-lab's DFlashDraftModel fails without the DFlash ones,
+# vLLM/SGLang silently change behaviour without rope, norm eps or layer types.
+REQUIRED_CONFIG_KEYS = (
+    "architectures",
+    "model_type",
+    "dflash_config",
+    "block_size",
+    "num_target_layers",
+    "hidden_size",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "intermediate_size",
+    "num_hidden_layers",
+    "vocab_size",
+    "rms_norm_eps",
+    "rope_parameters",
+    "rope_theta",
+    "max_position_embeddings",
+    "layer_types",
+    "sliding_window",
+    "torch_dtype",
+    "dtype",
+    "attention_bias",
+    "hidden_act",
+)
+# Tensors of the target that some checkpoints carry; our drafter always uses the target's own.
+_TARGET_TENSOR_PREFIXES = ("embed_tokens.", "lm_head.")
+_DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float32: "float32", torch.float16: "float16"}
+
+
+class CheckpointFormatError(ValueError):
+    """A checkpoint directory is incomplete or describes a drafter this package cannot build."""
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Export
+
+
+def export_config(config: DrafterModelConfig, *, dtype: torch.dtype = torch.bfloat16) -> dict[str, Any]:
+    """The `config.json` of an export: `to_hf_config()` plus every key the reference loaders read."""
+    if dtype not in _DTYPE_NAMES:
+        raise ValueError(f"export dtype {dtype}: expected one of {list(_DTYPE_NAMES.values())}")
+    data = config.to_hf_config().to_dict()
+    rope = dict(config.rope_parameters)
+    dflash = {
+        "mask_token_id": config.mask_token_id,
+        "target_layer_ids": list(config.target_layer_ids),
+        "sliding_causal_in_block": config.sliding_causal_in_block,
+    }
+    vllm_causal = _vllm_causal_flag(config)
+    if vllm_causal is not None:
+        dflash["causal"] = vllm_causal
+    data.update(
+        architectures=[ARCHITECTURE],
+        model_type="qwen3",
+        dflash_config=dflash,
+        block_size=config.block_size,
+        num_target_layers=config.num_target_layers,
+        hidden_size=config.hidden_size,
+        num_attention_heads=config.num_attention_heads,
+        num_key_value_heads=config.num_key_value_heads,
+        head_dim=config.head_dim,
+        intermediate_size=config.intermediate_size,
+        num_hidden_layers=config.num_hidden_layers,
+        vocab_size=config.vocab_size,
+        rms_norm_eps=config.rms_norm_eps,
+        rope_parameters=rope,
+        # Older loaders (transformers 4.x, as z-lab's code pins) read rope from these two keys.
+        rope_theta=rope["rope_theta"],
+        rope_scaling=_legacy_rope_scaling(rope),
+        max_position_embeddings=config.max_position_embeddings,
+        layer_types=list(config.layer_types),
+        sliding_window=config.sliding_window,
+        use_sliding_window=config.sliding_window is not None,
+        torch_dtype=_DTYPE_NAMES[dtype],
+        dtype=_DTYPE_NAMES[dtype],
+        attention_bias=config.attention_bias,
+        hidden_act="silu",
+        tie_word_embeddings=False,
+    )
+    return data
+
+
+def _vllm_causal_flag(config: DrafterModelConfig) -> bool | None:
+    """vLLM's one causality flag for all layers, when it can say what our per-layer setting says."""
+    if not config.sliding_causal_in_block:
+        return False  # no layer is causal in-block
+    if all(kind == SLIDING_ATTENTION for kind in config.layer_types):
+        return True
+    return None  # causal sliding + non-causal full layers: vLLM's default for mixed configs, leave it unset
+
+
+def _legacy_rope_scaling(rope: dict[str, Any]) -> dict[str, Any] | None:
+    if rope.get("rope_type", "default") == "default":
+        return None
+    return {key: value for key, value in rope.items() if key != "rope_theta"}
+
+
+def export_drafter(
+    drafter: DFlashDrafter,
+    out_dir: str | Path,
+    *,
+    dtype: torch.dtype = torch.bfloat16,
+    extra_metadata: dict[str, Any] | None = None,
+) -> Path:
+    """Write `config.json` + `model.safetensors` into `out_dir`, atomically (temporary directory, then rename).
+
+    `extra_metadata` (JSON-serialisable: training step, data, tau...) goes under `training_metadata` in
+    config.json. An existing `out_dir` is replaced only when it is an earlier export; any other non-empty
+    directory is refused before anything is written."""
+    out_dir = Path(out_dir)
+    _refuse_foreign_directory(out_dir)
+    config = export_config(drafter.config, dtype=dtype)
+    if extra_metadata is not None:
+        config["training_metadata"] = extra_metadata
+    config_text = json.dumps(config, indent=2, sort_keys=True) + "\n"  # fails early on unserialisable metadata
+    state = {
+        name: tensor.detach().to(device="cpu", dtype=dtype).contiguous()
+        for name, tensor in drafter.state_dict().items()
+    }
+
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    temp_dir = out_dir.parent / f".{out_dir.name}.tmp-{os.getpid()}"
+    shutil.rmtree(temp_dir, ignore_errors=True)
+    temp_dir.mkdir()
+    try:
+        save_file(state, str(temp_dir / WEIGHTS_FILE), metadata={"format": "pt"})
+        (temp_dir / CONFIG_FILE).write_text(config_text)
+        _replace_directory(temp_dir, out_dir)
+    finally:
+        shutil.rmtree(temp_dir, ignore_errors=True)
+    return out_dir
+
+
+def _refuse_foreign_directory(out_dir: Path) -> None:
+    if not out_dir.exists():
+        return
+    if not out_dir.is_dir():
+        raise FileExistsError(f"{out_dir}: exists and is not a directory")
+    if any(out_dir.iterdir()) and not _is_export(out_dir):
+        raise FileExistsError(f"{out_dir}: not empty and not a DFlash export; refusing to replace it")
+
+
+def _is_export(path: Path) -> bool:
+    try:
+        config = json.loads((path / CONFIG_FILE).read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(config, dict) and ARCHITECTURE in (config.get("architectures") or [])
+
+
+def _replace_directory(new: Path, target: Path) -> None:
+    """Move `new` to `target`; an existing `target` is moved aside first and deleted after the swap."""
+    if not target.exists():
+        new.rename(target)
+        return
+    old = target.parent / f".{target.name}.old-{os.getpid()}"
+    shutil.rmtree(old, ignore_errors=True)
+    target.rename(old)
+    new.rename(target)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Import
+
+
+def import_drafter(
+    path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32
+) -> DFlashDrafter:
+    """Load a drafter from an export (ours or z-lab's: `config.json` + `model.safetensors` or a sharded index)
+    or from one of our training checkpoints (`drafter_config.json` + `drafter.safetensors`)."""
+    path = Path(path)
+    if not path.is_dir():
+        raise FileNotFoundError(f"{path}: drafter checkpoint directory not found")
+    if not (path / CONFIG_FILE).is_file() and (path / CHECKPOINT_CONFIG_FILE).is_file():
+        return load_training_drafter(path, device=device, dtype=dtype)
+    config_path = path / CONFIG_FILE
+    if not config_path.is_file():
+        raise CheckpointFormatError(f"{path}: no {CONFIG_FILE} (nor {CHECKPOINT_CONFIG_FILE})")
+    config = drafter_config_from_export(_read_json(config_path), source=config_path)
+    return _build_drafter(config, _read_export_weights(path), source=path, device=device, dtype=dtype)
+
+
+def drafter_config_from_export(data: dict[str, Any], *, source: str | Path = CONFIG_FILE) -> DrafterModelConfig:
+    """Rebuild `DrafterModelConfig` from an export's config.json (ours, z-lab's, or written for vLLM)."""
+    architectures = data.get("architectures") or []
+    if ARCHITECTURE not in architectures:
+        raise CheckpointFormatError(f"{source}: architectures {architectures} lacks {ARCHITECTURE}")
+    dflash = data.get("dflash_config")
+    if not isinstance(dflash, dict):
+        raise CheckpointFormatError(f"{source}: dflash_config: missing (not a DFlash drafter config)")
+    if dflash.get("mask_token_id") is None:
+        raise CheckpointFormatError(f"{source}: dflash_config.mask_token_id: missing")
+    if dflash.get("attention_sink_bias"):
+        raise CheckpointFormatError(f"{source}: dflash_config.attention_sink_bias: not supported by this drafter")
+    if data.get("hidden_act", "silu") != "silu":
+        raise CheckpointFormatError(f"{source}: hidden_act {data['hidden_act']!r}: only silu is supported")
+    for key, own_key in (("target_hidden_size", "hidden_size"), ("draft_vocab_size", "vocab_size")):
+        if data.get(key) is not None and data[key] != data.get(own_key):
+            raise CheckpointFormatError(f"{source}: {key} {data[key]}: must equal {own_key} {data.get(own_key)}")
+
+    hidden = _required(data, "hidden_size", source)
+    heads = _required(data, "num_attention_heads", source)
+    num_layers = _required(data, "num_hidden_layers", source)
+    num_target_layers = _required(data, "num_target_layers", source)
+    layer_types, sliding_window = _layer_types(data, dflash, num_layers, source)
+    target_layer_ids = dflash.get("target_layer_ids")
+    if target_layer_ids is None:
+        # z-lab's loader default: as many taps as drafter layers, spread like ours.
+        target_layer_ids = default_target_layer_ids(num_target_layers, num_layers)
+    try:
+        return DrafterModelConfig(
+            hidden_size=hidden,
+            num_attention_heads=heads,
+            num_key_value_heads=data.get("num_key_value_heads") or heads,
+            head_dim=data.get("head_dim") or hidden // heads,
+            intermediate_size=_required(data, "intermediate_size", source),
+            num_hidden_layers=num_layers,
+            vocab_size=_required(data, "vocab_size", source),
+            target_layer_ids=list(target_layer_ids),
+            num_target_layers=num_target_layers,
+            block_size=_required(data, "block_size", source),
+            mask_token_id=dflash["mask_token_id"],
+            rms_norm_eps=float(data.get("rms_norm_eps", 1e-6)),
+            rope_parameters=_rope_parameters(data),
+            max_position_embeddings=data.get("max_position_embeddings", 40960),
+            layer_types=layer_types,
+            sliding_window=sliding_window,
+            sliding_causal_in_block=_sliding_causal(data, dflash, layer_types, source),
+            attention_bias=bool(data.get("attention_bias", False)),
+        )
+    except ValueError as error:
+        raise CheckpointFormatError(f"{source}: {error}") from error
+
+
+def _required(data: dict[str, Any], key: str, source: str | Path) -> Any:
+    if data.get(key) is None:
+        raise CheckpointFormatError(f"{source}: {key}: missing")
+    return data[key]
+
+
+def _rope_parameters(data: dict[str, Any]) -> dict[str, Any]:
+    """transformers 5 writes `rope_parameters`; 4.x configs (z-lab's) carry `rope_theta` + `rope_scaling`."""
+    if data.get("rope_parameters"):
+        return dict(data["rope_parameters"])
+    scaling = dict(data.get("rope_scaling") or {})
+    rope_type = scaling.pop("rope_type", scaling.pop("type", "default"))
+    return {"rope_type": rope_type, **scaling, "rope_theta": float(data.get("rope_theta", 1e6))}
+
+
+def _sliding_from_use_swa(data: dict[str, Any], dflash: dict[str, Any]) -> bool:
+    """vLLM's reading: `use_swa` makes every layer slide unless `layer_types` lists sliding layers itself."""
+    layer_types = data.get("layer_types")
+    return bool(dflash.get("use_swa")) and (layer_types is None or SLIDING_ATTENTION not in layer_types)
+
+
+def _layer_types(
+    data: dict[str, Any], dflash: dict[str, Any], num_layers: int, source: str | Path
+) -> tuple[list[str], int | None]:
+    window = dflash.get("swa_window_size") or data.get("sliding_window")
+    layer_types = data.get("layer_types")
+    if _sliding_from_use_swa(data, dflash):
+        layer_types = [SLIDING_ATTENTION] * num_layers
+    elif layer_types is None:
+        if data.get("use_sliding_window") and window:
+            # What Qwen3Config derives when layer_types is absent (and what vLLM then sees).
+            first_sliding = data.get("max_window_layers", num_layers)
+            layer_types = [SLIDING_ATTENTION if i >= first_sliding else FULL_ATTENTION for i in range(num_layers)]
+        else:
+            layer_types = [FULL_ATTENTION] * num_layers
+    unknown = set(layer_types) - {FULL_ATTENTION, SLIDING_ATTENTION}
+    if unknown:
+        raise CheckpointFormatError(f"{source}: layer_types: unsupported {sorted(unknown)}")
+    if len(layer_types) != num_layers:
+        raise CheckpointFormatError(f"{source}: layer_types has {len(layer_types)} entries for {num_layers} layers")
+    if SLIDING_ATTENTION not in layer_types:
+        return list(layer_types), None
+    if not window:
+        raise CheckpointFormatError(f"{source}: sliding_window: missing for sliding_attention layers")
+    return list(layer_types), int(window)
+
+
+def _sliding_causal(data: dict[str, Any], dflash: dict[str, Any], layer_types: list[str], source: str | Path) -> bool:
+    if "sliding_causal_in_block" in dflash:
+        return bool(dflash["sliding_causal_in_block"])
+    if SLIDING_ATTENTION not in layer_types:
+        return False
+    if dflash.get("causal") is not None:
+        if dflash["causal"] and FULL_ATTENTION in layer_types:
+            raise CheckpointFormatError(
+                f"{source}: dflash_config.causal true makes full-attention layers causal in-block; not supported"
+            )
+        return bool(dflash["causal"])
+    # vLLM's default: layers listed as sliding are causal in-block, layers made sliding by use_swa are not.
+    return not _sliding_from_use_swa(data, dflash)
+
+
+def _read_export_weights(path: Path) -> dict[str, torch.Tensor]:
+    if (path / WEIGHTS_FILE).is_file():
+        return load_file(str(path / WEIGHTS_FILE))
+    index_path = path / WEIGHTS_INDEX_FILE
+    if not index_path.is_file():
+        raise CheckpointFormatError(f"{path}: no {WEIGHTS_FILE} (nor {WEIGHTS_INDEX_FILE})")
+    weight_map = _read_json(index_path).get("weight_map")
+    if not isinstance(weight_map, dict):
+        raise CheckpointFormatError(f"{index_path}: weight_map: missing")
+    state: dict[str, torch.Tensor] = {}
+    for shard in sorted(set(weight_map.values())):
+        state.update(load_file(str(path / shard)))
+    return state
+
+
+def _build_drafter(
+    config: DrafterModelConfig,
+    state: dict[str, torch.Tensor],
+    *,
+    source: Path,
+    device: str | torch.device,
+    dtype: torch.dtype,
+) -> DFlashDrafter:
+    dropped = sorted(name for name in state if name.startswith(_TARGET_TENSOR_PREFIXES))
+    if dropped:
+        warnings.warn(
+            f"{source}: ignoring {dropped}: the drafter uses the target's embedding and LM head", stacklevel=3
+        )
+        state = {name: tensor for name, tensor in state.items() if name not in dropped}
+    with torch.device(device):
+        drafter = DFlashDrafter(config)
+    expected = set(drafter.state_dict())
+    missing, unexpected = sorted(expected - set(state)), sorted(set(state) - expected)
+    if missing or unexpected:
+        raise CheckpointFormatError(
+            f"{source}: weights do not match the config: missing {missing}, unexpected {unexpected}"
+        )
+    try:
+        drafter.load_state_dict(state)
+    except RuntimeError as error:  # shape mismatches
+        raise CheckpointFormatError(f"{source}: {error}") from error
+    return cast_keeping_rope_fp32(drafter, dtype)
+
+
+def cast_keeping_rope_fp32(drafter: DFlashDrafter, dtype: torch.dtype) -> DFlashDrafter:
+    """`drafter.to(dtype)` except the RoPE inverse frequencies, which stay float32: rounded to bf16 they are off
+    by up to 2^-9 relative, a phase error of about a radian at position 1000 (serving engines keep them fp32)."""
+    rope_buffers = {name: buffer.clone() for name, buffer in drafter.rotary_emb.named_buffers()}
+    drafter.to(dtype=dtype)
+    for name, buffer in rope_buffers.items():
+        setattr(drafter.rotary_emb, name, buffer)
+    return drafter
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Training checkpoints
+
+
+def drafter_config_json(config: DrafterModelConfig) -> str:
+    """`drafter_config.json` of a training checkpoint: every field of `DrafterModelConfig`."""
+    return json.dumps(dataclasses.asdict(config), indent=2) + "\n"
+
+
+def save_drafter_config(config: DrafterModelConfig, path: str | Path) -> None:
+    """Write `drafter_config_json(config)` atomically (temporary file, then rename)."""
+    path = Path(path)
+    temp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    temp.write_text(drafter_config_json(config))
+    temp.replace(path)
+
+
+def load_drafter_config(path: str | Path) -> DrafterModelConfig:
+    data = _read_json(Path(path))
+    known = {field.name for field in dataclasses.fields(DrafterModelConfig)}
+    unknown = sorted(set(data) - known)
+    if unknown:
+        raise CheckpointFormatError(f"{path}: unknown keys {unknown} (known: {sorted(known)})")
+    try:
+        return DrafterModelConfig(**data)
+    except (TypeError, ValueError) as error:
+        raise CheckpointFormatError(f"{path}: {error}") from error
+
+
+def load_training_drafter(
+    path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32
+) -> DFlashDrafter:
+    """The drafter of a training checkpoint directory (`drafter_config.json` + `drafter.safetensors`)."""
+    path = Path(path)
+    config = load_drafter_config(path / CHECKPOINT_CONFIG_FILE)
+    weights = path / CHECKPOINT_WEIGHTS_FILE
+    if not weights.is_file():
+        raise CheckpointFormatError(f"{path}: no {CHECKPOINT_WEIGHTS_FILE}")
+    return _build_drafter(config, load_file(str(weights)), source=path, device=device, dtype=dtype)
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        data = json.loads(path.read_text())
+    except OSError as error:
+        raise CheckpointFormatError(f"{path}: cannot read: {error}") from error
+    except ValueError as error:
+        raise CheckpointFormatError(f"{path}: not valid JSON: {error}") from error
+    if not isinstance(data, dict):
+        raise CheckpointFormatError(f"{path}: expected a JSON object")
+    return data

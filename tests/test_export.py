@@ -1,0 +1,323 @@
+"""DFlash checkpoint export and import: round trip, the keys and tensor names the reference loaders read,
+z-lab-style configs, training checkpoints, atomic replacement and clear errors."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+from transformers import Qwen3Config
+
+from dflash_trainer.export import (
+    CheckpointFormatError,
+    export_drafter,
+    import_drafter,
+    load_drafter_config,
+    load_training_drafter,
+    save_drafter_config,
+)
+from dflash_trainer.model.config import DrafterModelConfig
+from dflash_trainer.model.drafter import DFlashDrafter
+
+# What z-lab's DFlashDraftModel, vLLM's qwen3_dflash and SGLang read from config.json.
+REFERENCE_LOADER_KEYS = [
+    "architectures",
+    "model_type",
+    "dflash_config",
+    "block_size",
+    "num_target_layers",
+    "hidden_size",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "intermediate_size",
+    "num_hidden_layers",
+    "vocab_size",
+    "rms_norm_eps",
+    "rope_parameters",
+    "rope_theta",
+    "max_position_embeddings",
+    "layer_types",
+    "sliding_window",
+    "torch_dtype",
+    "dtype",
+    "attention_bias",
+    "hidden_act",
+]
+# z-lab checkpoint tensor names per drafter layer.
+LAYER_TENSORS = [
+    "input_layernorm.weight",
+    "self_attn.q_proj.weight",
+    "self_attn.k_proj.weight",
+    "self_attn.v_proj.weight",
+    "self_attn.o_proj.weight",
+    "self_attn.q_norm.weight",
+    "self_attn.k_norm.weight",
+    "post_attention_layernorm.weight",
+    "mlp.gate_proj.weight",
+    "mlp.up_proj.weight",
+    "mlp.down_proj.weight",
+]
+
+
+def drafter_config(**overrides) -> DrafterModelConfig:
+    values = dict(
+        hidden_size=32,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        intermediate_size=64,
+        num_hidden_layers=3,
+        vocab_size=96,
+        target_layer_ids=[1, 3, 5],
+        num_target_layers=8,
+        block_size=4,
+        mask_token_id=95,
+        rope_parameters={"rope_type": "default", "rope_theta": 5e5},
+        max_position_embeddings=1024,
+    )
+    values.update(overrides)
+    return DrafterModelConfig(**values)
+
+
+def random_drafter(config: DrafterModelConfig | None = None, seed: int = 0) -> DFlashDrafter:
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        drafter = DFlashDrafter(config or drafter_config())
+        # Non-trivial norm weights, so a norm dropped or swapped on the way is noticed.
+        for name, parameter in drafter.named_parameters():
+            if "norm" in name:
+                parameter.data.uniform_(0.5, 1.5)
+    return drafter.eval()
+
+
+def drafter_outputs(drafter: DFlashDrafter, seed: int = 1) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(seed)
+    config = drafter.config
+    context, block = 10, config.block_size
+    with torch.no_grad():
+        return drafter(
+            features=torch.randn(1, context, config.num_features * config.hidden_size, generator=generator),
+            block_embeds=torch.randn(1, block, config.hidden_size, generator=generator),
+            ctx_positions=torch.arange(context)[None],
+            block_positions=torch.arange(context, context + block)[None],
+            masks=None,
+        )
+
+
+def z_lab_tensor_names(num_layers: int) -> set[str]:
+    names = {"fc.weight", "hidden_norm.weight", "norm.weight"}
+    return names | {f"layers.{i}.{name}" for i in range(num_layers) for name in LAYER_TENSORS}
+
+
+def test_round_trip_float32_is_exact(tmp_path):
+    config = drafter_config(layer_types=["sliding_attention", "full_attention", "sliding_attention"], sliding_window=6)
+    drafter = random_drafter(config)
+    export_drafter(drafter, tmp_path / "out", dtype=torch.float32)
+    loaded = import_drafter(tmp_path / "out")
+    assert loaded.config == drafter.config
+    torch.testing.assert_close(drafter_outputs(loaded), drafter_outputs(drafter), rtol=0, atol=0)
+
+
+def test_bf16_export_holds_rounded_weights_and_keeps_rope_fp32(tmp_path):
+    drafter = random_drafter()
+    export_drafter(drafter, tmp_path / "out")
+    loaded = import_drafter(tmp_path / "out", dtype=torch.bfloat16)
+    for name, tensor in drafter.state_dict().items():
+        assert torch.equal(loaded.state_dict()[name], tensor.to(torch.bfloat16)), name
+    assert loaded.rotary_emb.inv_freq.dtype == torch.float32
+    torch.testing.assert_close(loaded.rotary_emb.inv_freq, drafter.rotary_emb.inv_freq, rtol=0, atol=0)
+
+
+def test_config_has_every_key_the_reference_loaders_read(tmp_path):
+    drafter = random_drafter()
+    export_drafter(drafter, tmp_path / "out", extra_metadata={"step": 1200, "tau": 3.5})
+    config = json.loads((tmp_path / "out" / "config.json").read_text())
+    missing = [key for key in REFERENCE_LOADER_KEYS if key not in config]
+    assert not missing
+    assert config["architectures"] == ["DFlashDraftModel"] and config["model_type"] == "qwen3"
+    assert config["dflash_config"]["mask_token_id"] == 95
+    assert config["dflash_config"]["target_layer_ids"] == [1, 3, 5]
+    assert config["dflash_config"]["causal"] is False  # vLLM: no layer is causal in-block
+    assert (config["block_size"], config["num_target_layers"], config["num_hidden_layers"]) == (4, 8, 3)
+    assert config["rope_theta"] == 5e5 and config["rope_parameters"]["rope_theta"] == 5e5
+    assert config["rope_scaling"] is None
+    assert config["layer_types"] == ["full_attention"] * 3 and config["sliding_window"] is None
+    assert config["torch_dtype"] == config["dtype"] == "bfloat16"
+    assert config["hidden_act"] == "silu" and config["tie_word_embeddings"] is False
+    assert config["training_metadata"] == {"step": 1200, "tau": 3.5}
+
+
+def test_weights_have_z_lab_names_and_no_embedding_or_head(tmp_path):
+    export_drafter(random_drafter(), tmp_path / "out")
+    with safe_open(str(tmp_path / "out" / "model.safetensors"), framework="pt") as handle:
+        names = set(handle.keys())
+        assert handle.get_tensor("fc.weight").dtype == torch.bfloat16
+        assert handle.metadata()["format"] == "pt"
+    assert names == z_lab_tensor_names(3)
+    assert not any("embed" in name or "lm_head" in name for name in names)
+
+
+def test_transformers_reads_the_exported_config(tmp_path):
+    config = drafter_config(
+        layer_types=["full_attention", "sliding_attention", "full_attention"],
+        sliding_window=16,
+        sliding_causal_in_block=True,
+    )
+    export_drafter(random_drafter(config), tmp_path / "out")
+    hf = Qwen3Config.from_pretrained(tmp_path / "out")
+    assert (hf.hidden_size, hf.num_hidden_layers, hf.head_dim, hf.num_key_value_heads) == (32, 3, 8, 2)
+    assert hf.layer_types == ["full_attention", "sliding_attention", "full_attention"]
+    assert hf.sliding_window == 16
+    assert hf.rope_parameters["rope_theta"] == 5e5
+    assert hf.block_size == 4 and hf.num_target_layers == 8
+    # Mixed layers with causal sliding layers: vLLM's default for such configs already, so no global flag.
+    assert hf.dflash_config == {"mask_token_id": 95, "target_layer_ids": [1, 3, 5], "sliding_causal_in_block": True}
+
+
+def write_z_lab_checkpoint(path: Path, drafter: DFlashDrafter, config: dict) -> None:
+    """A checkpoint as z-lab publishes them: transformers-4 style config, bf16 weights, same tensor names."""
+    path.mkdir()
+    (path / "config.json").write_text(json.dumps(config))
+    state = {name: tensor.to(torch.bfloat16).contiguous() for name, tensor in drafter.state_dict().items()}
+    state["embed_tokens.weight"] = torch.zeros(96, 32, dtype=torch.bfloat16)
+    save_file(state, str(path / "model.safetensors"))
+
+
+def z_lab_config(**overrides) -> dict:
+    config = {
+        "architectures": ["DFlashDraftModel"],
+        "model_type": "qwen3",
+        "block_size": 4,
+        "dflash_config": {"mask_token_id": 95, "target_layer_ids": [1, 3, 5]},
+        "hidden_size": 32,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 8,
+        "intermediate_size": 64,
+        "num_hidden_layers": 3,
+        "num_target_layers": 8,
+        "vocab_size": 96,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 500000,
+        "rope_scaling": None,
+        "max_position_embeddings": 1024,
+        "sliding_window": None,
+        "use_sliding_window": False,
+        "max_window_layers": 3,
+        "layer_types": ["full_attention"] * 3,
+        "attention_bias": False,
+        "hidden_act": "silu",
+        "tie_word_embeddings": False,
+        "torch_dtype": "bfloat16",
+    }
+    config.update(overrides)
+    return config
+
+
+def test_imports_a_z_lab_style_checkpoint(tmp_path):
+    drafter = random_drafter()
+    write_z_lab_checkpoint(tmp_path / "zlab", drafter, z_lab_config())
+    with pytest.warns(UserWarning, match="embed_tokens"):
+        loaded = import_drafter(tmp_path / "zlab")
+    assert loaded.config == drafter.config
+    rounded = random_drafter()
+    for parameter in rounded.parameters():
+        parameter.data = parameter.data.to(torch.bfloat16).float()
+    torch.testing.assert_close(drafter_outputs(loaded), drafter_outputs(rounded), rtol=0, atol=0)
+
+
+def test_z_lab_defaults_for_missing_keys(tmp_path):
+    config = z_lab_config(
+        dflash_config={"mask_token_id": 95},  # z-lab's loader then taps as many layers as the drafter has
+        layer_types=["sliding_attention", "full_attention", "full_attention"],
+        sliding_window=16,
+    )
+    del config["head_dim"]
+    write_z_lab_checkpoint(tmp_path / "zlab", random_drafter(), config)
+    with pytest.warns(UserWarning):
+        loaded = import_drafter(tmp_path / "zlab")
+    assert loaded.config.target_layer_ids == [1, 3, 5]
+    assert loaded.config.head_dim == 8
+    assert loaded.config.rope_parameters == {"rope_type": "default", "rope_theta": 500000.0}
+    # No causality key in a mixed config: vLLM runs its sliding layers causal in-block.
+    assert loaded.config.sliding_causal_in_block is True
+
+
+def test_refuses_checkpoints_it_cannot_build(tmp_path):
+    write_z_lab_checkpoint(
+        tmp_path / "a", random_drafter(), z_lab_config(dflash_config={"target_layer_ids": [1, 3, 5]})
+    )
+    with pytest.raises(CheckpointFormatError, match=r"dflash_config.mask_token_id: missing"):
+        import_drafter(tmp_path / "a")
+
+    path = tmp_path / "b"
+    export_drafter(random_drafter(), path, dtype=torch.float32)
+    config = json.loads((path / "config.json").read_text())
+    config["num_hidden_layers"], config["layer_types"] = 4, ["full_attention"] * 4
+    (path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(CheckpointFormatError, match=r"missing \['layers.3"):
+        import_drafter(path)
+
+
+def test_export_replaces_an_earlier_export_but_not_other_directories(tmp_path):
+    out = tmp_path / "out"
+    export_drafter(random_drafter(seed=0), out, dtype=torch.float32)
+    newer = random_drafter(seed=1)
+    export_drafter(newer, out, dtype=torch.float32)
+    torch.testing.assert_close(drafter_outputs(import_drafter(out)), drafter_outputs(newer), rtol=0, atol=0)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]  # no temporary directories left
+
+    foreign = tmp_path / "run"
+    foreign.mkdir()
+    (foreign / "metrics.jsonl").write_text("{}\n")
+    with pytest.raises(FileExistsError, match="not a DFlash export"):
+        export_drafter(newer, foreign)
+    assert sorted(p.name for p in foreign.iterdir()) == ["metrics.jsonl"]
+
+
+def test_training_checkpoint_config_and_weights(tmp_path):
+    config = drafter_config(layer_types=["sliding_attention"] * 3, sliding_window=8, sliding_causal_in_block=True)
+    drafter = random_drafter(config)
+    save_drafter_config(config, tmp_path / "drafter_config.json")
+    assert load_drafter_config(tmp_path / "drafter_config.json") == config
+    save_file(drafter.state_dict(), str(tmp_path / "drafter.safetensors"))
+    for loaded in (load_training_drafter(tmp_path), import_drafter(tmp_path)):
+        assert loaded.config == config
+        torch.testing.assert_close(drafter_outputs(loaded), drafter_outputs(drafter), rtol=0, atol=0)
+
+    data = json.loads((tmp_path / "drafter_config.json").read_text())
+    data["num_layers"] = 3
+    (tmp_path / "drafter_config.json").write_text(json.dumps(data))
+    with pytest.raises(CheckpointFormatError, match=r"unknown keys \['num_layers'\]"):
+        load_drafter_config(tmp_path / "drafter_config.json")
+
+
+def test_vllm_causal_flag_round_trips(tmp_path):
+    all_sliding_causal = drafter_config(
+        layer_types=["sliding_attention"] * 3, sliding_window=8, sliding_causal_in_block=True
+    )
+    export_drafter(random_drafter(all_sliding_causal), tmp_path / "out")
+    config = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert config["dflash_config"]["causal"] is True
+    # A checkpoint written for vLLM only (no key of ours): its `causal` flag decides.
+    del config["dflash_config"]["sliding_causal_in_block"]
+    config["dflash_config"]["causal"] = False
+    (tmp_path / "out" / "config.json").write_text(json.dumps(config))
+    assert import_drafter(tmp_path / "out").config.sliding_causal_in_block is False
+
+
+def test_use_swa_checkpoint_slides_every_layer_non_causally(tmp_path):
+    config = drafter_config(layer_types=["sliding_attention"] * 3, sliding_window=12)
+    vllm_style = z_lab_config(
+        dflash_config={"mask_token_id": 95, "target_layer_ids": [1, 3, 5], "use_swa": True, "swa_window_size": 12}
+    )
+    del vllm_style["layer_types"]
+    write_z_lab_checkpoint(tmp_path / "swa", random_drafter(config), vllm_style)
+    with pytest.warns(UserWarning):
+        loaded = import_drafter(tmp_path / "swa")
+    assert loaded.config == config  # all sliding, window 12, not causal in-block

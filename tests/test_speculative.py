@@ -1,0 +1,541 @@
+"""Speculative decoding: lossless against plain greedy decoding, exact accepted lengths, cache rollback,
+drafter context bookkeeping, and the evaluation runner (report files, lossless check that can fail)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from torch import Tensor
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedModel, Qwen3Config, Qwen3ForCausalLM
+from transformers.models.qwen3_5 import Qwen3_5ForCausalLM, Qwen3_5TextConfig
+
+from dflash_trainer.data.prompts import Prompt, load_prompt_set
+from dflash_trainer.eval import runner
+from dflash_trainer.eval.runner import (
+    LosslessError,
+    NearTieDivergence,
+    encode_prompt,
+    evaluate,
+    quick_tau,
+    verify_lossless,
+)
+from dflash_trainer.eval.speculative import (
+    GenerationResult,
+    speculative_generate,
+    speculative_generate_batch,
+    target_generate,
+)
+from dflash_trainer.model.attention import build_masks
+from dflash_trainer.model.config import DrafterModelConfig
+from dflash_trainer.model.drafter import DFlashDrafter
+from dflash_trainer.target.capture import FeatureCapture
+from dflash_trainer.target.loader import LoadedTarget
+
+VOCAB = 64
+HIDDEN = 64
+DIMS = dict(
+    vocab_size=VOCAB,
+    hidden_size=HIDDEN,
+    intermediate_size=128,
+    num_hidden_layers=6,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    max_position_embeddings=512,
+    tie_word_embeddings=False,
+)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    # Tiny matmuls are dominated by thread hand-off on a busy 2-core machine.
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
+def _seeded(build, seed: int):
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        return build()
+
+
+def qwen3_target(seed: int = 0, **overrides) -> Qwen3ForCausalLM:
+    config = Qwen3Config(attn_implementation="sdpa", **{**DIMS, **overrides})
+    return _seeded(lambda: Qwen3ForCausalLM(config).eval(), seed)
+
+
+def llama_target(seed: int = 1) -> LlamaForCausalLM:
+    config = LlamaConfig(attn_implementation="eager", **DIMS)
+    return _seeded(lambda: LlamaForCausalLM(config).eval(), seed)
+
+
+def orthogonal_head_target(seed: int = 0, **overrides) -> Qwen3ForCausalLM:
+    """A random target whose LM head is an orthogonal matrix (V == H), so a hidden state Q[t] scores token t
+    alone: lets a test drafter propose exactly the tokens it wants."""
+    model = qwen3_target(seed, **overrides)
+    with torch.no_grad(), torch.random.fork_rng():
+        torch.manual_seed(seed + 100)
+        q, _ = torch.linalg.qr(torch.randn(VOCAB, HIDDEN))
+        model.lm_head.weight.copy_(q * 4.0)
+    return model
+
+
+def drafter_for(target: PreTrainedModel, *, block_size: int = 4, seed: int = 0) -> DFlashDrafter:
+    config = DrafterModelConfig.from_target(
+        target.config, num_layers=2, block_size=block_size, mask_token_id=VOCAB - 1, num_target_features=3
+    )
+    return _seeded(lambda: DFlashDrafter(config).eval(), seed)
+
+
+def prompt_ids(length: int = 12, seed: int = 0) -> Tensor:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(0, VOCAB - 1, (1, length), generator=generator)
+
+
+class OracleDrafter(DFlashDrafter):
+    """Knows the target's greedy continuation; at position n it drafts `correct(n)` right tokens, then wrong
+    ones. Records what the decoding loop feeds it, to check the context bookkeeping."""
+
+    def __init__(self, config: DrafterModelConfig, *, reference: list[int], head: Tensor, correct) -> None:
+        super().__init__(config)
+        self.reference = reference  # prompt + greedy output
+        self.head = head  # [V, H] orthogonal LM head of the target
+        self.correct = correct
+        self.calls: list[dict[str, Tensor]] = []
+
+    def forward(self, *, features, block_embeds, ctx_positions, block_positions, masks, backend="sdpa", cache=None):
+        self.calls.append({"features": features, "ctx_positions": ctx_positions, "block_positions": block_positions})
+        start = int(block_positions[0, 0])
+        hidden = torch.zeros(1, self.config.block_size, HIDDEN)
+        for slot in range(1, self.config.block_size):
+            token = self.reference[start + slot] if start + slot < len(self.reference) else 0
+            if slot > self.correct(start):
+                token = (token + 1) % VOCAB  # never what the target picks
+            hidden[0, slot] = self.head[token]
+        return hidden
+
+
+def expected_accepted_lengths(*, prompt_len: int, max_new_tokens: int, block_size: int, correct) -> list[int]:
+    lengths, position, produced = [], prompt_len, 1
+    while produced < max_new_tokens:
+        verify_len = min(block_size, max_new_tokens - produced)
+        committed = min(correct(position), verify_len - 1) + 1
+        lengths.append(committed)
+        position += committed
+        produced += committed
+    return lengths
+
+
+def _check_consistent(result: GenerationResult, block_size: int) -> None:
+    assert sum(result.accepted_lengths) == len(result.output_ids) - 1
+    assert result.num_target_forwards == 1 + len(result.accepted_lengths)
+    assert all(1 <= length <= block_size for length in result.accepted_lengths)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Decoding loop
+
+
+@pytest.mark.parametrize("build_target", [qwen3_target, llama_target], ids=["qwen3", "llama"])
+@pytest.mark.parametrize("block_size", [2, 5])
+def test_untrained_drafter_is_lossless(build_target, block_size):
+    target = build_target()
+    drafter = drafter_for(target, block_size=block_size)
+    for seed in range(2):
+        ids = prompt_ids(seed=seed)
+        reference = target_generate(target, ids, max_new_tokens=24, stop_token_ids=[])
+        result = speculative_generate(target, drafter, ids, max_new_tokens=24, stop_token_ids=[])
+        assert result.output_ids == reference.output_ids
+        assert len(result.output_ids) == 24
+        assert result.tau >= 1.0
+        _check_consistent(result, block_size)
+
+
+def test_well_predicting_drafter_reaches_tau_above_one():
+    """A target that always emits token 7 and a real DFlashDrafter whose output is the normed embedding of its
+    block tokens (layer outputs zeroed): the mask token's embedding points at token 7 too, so every draft
+    is accepted and every block commits B tokens."""
+    block_size, constant = 4, 7
+    target = qwen3_target()
+    drafter = drafter_for(target, block_size=block_size)
+    with torch.no_grad(), torch.random.fork_rng():
+        torch.manual_seed(3)
+        direction = torch.nn.functional.normalize(torch.randn(HIDDEN), dim=0)
+        target.model.embed_tokens.weight.copy_(3.0 * direction + 0.1 * torch.randn(VOCAB, HIDDEN))
+        target.lm_head.weight.normal_(std=0.02)
+        target.lm_head.weight[constant] = direction
+        for model in (target.model, drafter):
+            for layer in model.layers:
+                layer.self_attn.o_proj.weight.zero_()
+                layer.mlp.down_proj.weight.zero_()
+
+    ids = prompt_ids()
+    reference = target_generate(target, ids, max_new_tokens=30, stop_token_ids=[])
+    result = speculative_generate(target, drafter, ids, max_new_tokens=30, stop_token_ids=[])
+    assert reference.output_ids == [constant] * 30
+    assert result.output_ids == reference.output_ids
+    assert result.accepted_lengths == [4] * 7 + [1]  # 29 tokens after the prefill's first
+    assert result.tau > 1.0
+
+
+@pytest.mark.parametrize("block_size", [4, 7])
+def test_varying_acceptance_rolls_back_the_cache(block_size):
+    """Accepted lengths vary step by step (the oracle is right for a position-dependent number of slots): the
+    target cache is cropped by a different amount every step, and the output still equals greedy decoding."""
+    target = orthogonal_head_target()
+    ids = prompt_ids(length=10)
+    max_new = 70
+    reference = target_generate(target, ids, max_new_tokens=max_new, stop_token_ids=[]).output_ids
+
+    def correct(position: int) -> int:
+        return (position * 5 + 3) % block_size
+
+    config = drafter_for(target, block_size=block_size).config
+    oracle = OracleDrafter(
+        config, reference=ids[0].tolist() + reference, head=target.lm_head.weight / 4.0, correct=correct
+    )
+
+    result = speculative_generate(target, oracle, ids, max_new_tokens=max_new, stop_token_ids=[])
+    assert result.output_ids == reference
+    assert result.accepted_lengths == expected_accepted_lengths(
+        prompt_len=10, max_new_tokens=max_new, block_size=block_size, correct=correct
+    )
+    assert len(set(result.accepted_lengths)) > 1
+    _check_consistent(result, block_size)
+
+
+def test_drafter_context_is_every_target_feature_before_the_block():
+    """Each drafter call gets the features of the positions committed since the previous call; together they
+    are the target's layer outputs (as training captures them) for every position before the block."""
+    block_size = 4
+    target = orthogonal_head_target()
+    ids = prompt_ids(length=9)
+    reference = target_generate(target, ids, max_new_tokens=30, stop_token_ids=[]).output_ids
+
+    def correct(position: int) -> int:
+        return position % block_size
+
+    config = drafter_for(target, block_size=block_size).config
+    oracle = OracleDrafter(
+        config, reference=ids[0].tolist() + reference, head=target.lm_head.weight / 4.0, correct=correct
+    )
+    result = speculative_generate(target, oracle, ids, max_new_tokens=30, stop_token_ids=[])
+    assert result.output_ids == reference
+
+    full = torch.tensor([ids[0].tolist() + reference])
+    expected = FeatureCapture(target, config.target_layer_ids).capture(full).features  # [1, T, K*H]
+    seen = 0
+    for call in oracle.calls:
+        start = int(call["block_positions"][0, 0])
+        new = call["features"].shape[1]
+        assert call["ctx_positions"][0].tolist() == list(range(seen, seen + new))
+        torch.testing.assert_close(call["features"], expected[:, seen : seen + new], rtol=1e-4, atol=1e-5)
+        seen += new
+        assert seen == start  # the context ends right before the block's first position
+        assert call["block_positions"][0].tolist() == list(range(start, start + block_size))
+
+
+class RecordingDrafter(DFlashDrafter):
+    """A real drafter that records every block it drafts and its output."""
+
+    def __init__(self, config: DrafterModelConfig) -> None:
+        super().__init__(config)
+        self.records: list[tuple[Tensor, Tensor, Tensor]] = []
+
+    def forward(self, *, features, block_embeds, ctx_positions, block_positions, masks, backend="sdpa", cache=None):
+        hidden = super().forward(
+            features=features,
+            block_embeds=block_embeds,
+            ctx_positions=ctx_positions,
+            block_positions=block_positions,
+            masks=masks,
+            backend=backend,
+            cache=cache,
+        )
+        self.records.append((block_embeds, block_positions, hidden))
+        return hidden
+
+
+@pytest.mark.parametrize(
+    "layers",
+    [
+        dict(sliding_layers=()),
+        dict(sliding_layers=(0,), sliding_window=5, sliding_causal_in_block=True),
+        dict(sliding_layers=(0, 1), sliding_window=6, sliding_causal_in_block=False),
+    ],
+    ids=["full", "mixed-causal-sliding", "sliding"],
+)
+def test_cached_drafting_equals_the_training_forward(layers):
+    """Each incremental, cached drafter call gives the hidden states of a from-scratch forward over the whole
+    context with the training mask anchored at the block (window and in-block causality included)."""
+    target = qwen3_target()
+    config = DrafterModelConfig.from_target(
+        target.config, num_layers=2, block_size=4, mask_token_id=VOCAB - 1, num_target_features=3, **layers
+    )
+    drafter = _seeded(lambda: RecordingDrafter(config).eval(), 0)
+    ids = prompt_ids(length=7)
+    result = speculative_generate(target, drafter, ids, max_new_tokens=20, stop_token_ids=[])
+
+    full = torch.cat([ids, torch.tensor([result.output_ids])], dim=1)
+    features = FeatureCapture(target, config.target_layer_ids).capture(full).features  # [1, T, K*H]
+    assert len(drafter.records) > 3
+    for block_embeds, block_positions, hidden in drafter.records:
+        start = int(block_positions[0, 0])
+        masks = build_masks(
+            anchors=torch.tensor([[start]]),
+            anchor_keep=torch.tensor([[True]]),
+            doc_ids=torch.zeros(1, start + 1, dtype=torch.long),
+            block_size=4,
+            variants=drafter.mask_variants,
+            backend="sdpa",
+        )
+        with torch.no_grad():
+            reference = DFlashDrafter.forward(
+                drafter,
+                # As in training: the anchor's own features are in the row, masked out (kv < anchor).
+                features=features[:, : start + 1],
+                block_embeds=block_embeds,
+                ctx_positions=torch.arange(start + 1)[None],
+                block_positions=block_positions,
+                masks=masks,
+            )
+        torch.testing.assert_close(hidden, reference, rtol=1e-4, atol=1e-5)
+
+
+def test_stop_token_inside_an_accepted_block_ends_the_output():
+    target = orthogonal_head_target()
+    ids = prompt_ids(length=10)
+    reference = target_generate(target, ids, max_new_tokens=40, stop_token_ids=[]).output_ids
+    stop_position = next(i for i in range(5, 40) if reference[i] not in reference[:i])
+    stop = reference[stop_position]
+    # Always right: the stop token is committed as a draft in the middle of a block.
+    config = drafter_for(target, block_size=8).config
+    oracle = OracleDrafter(
+        config, reference=ids[0].tolist() + reference, head=target.lm_head.weight / 4.0, correct=lambda p: 7
+    )
+    result = speculative_generate(target, oracle, ids, max_new_tokens=40, stop_token_ids=[stop])
+    stopped = target_generate(target, ids, max_new_tokens=40, stop_token_ids=[stop])
+    assert result.output_ids == stopped.output_ids == reference[: stop_position + 1]
+    _check_consistent(result, 8)
+
+
+@pytest.mark.parametrize("max_new_tokens", [1, 2, 5, 9])
+def test_never_exceeds_max_new_tokens(max_new_tokens):
+    target = orthogonal_head_target()
+    ids = prompt_ids()
+    reference = target_generate(target, ids, max_new_tokens=max_new_tokens, stop_token_ids=[]).output_ids
+    config = drafter_for(target, block_size=4).config
+    oracle = OracleDrafter(
+        config, reference=ids[0].tolist() + reference + [0] * 8, head=target.lm_head.weight / 4.0, correct=lambda p: 3
+    )
+    result = speculative_generate(target, oracle, ids, max_new_tokens=max_new_tokens, stop_token_ids=[])
+    assert result.output_ids == reference and len(reference) == max_new_tokens
+
+
+def test_sliding_window_target_is_lossless():
+    """Layers 3-5 slide over 8 tokens: their cache must be rolled back too, past the window."""
+    target = orthogonal_head_target(use_sliding_window=True, sliding_window=8, max_window_layers=3)
+    assert target.config.layer_types[2:4] == ["full_attention", "sliding_attention"]
+    ids = prompt_ids(length=12)
+    reference = target_generate(target, ids, max_new_tokens=40, stop_token_ids=[]).output_ids
+
+    def correct(position: int) -> int:
+        return (position * 3) % 4
+
+    config = drafter_for(target, block_size=4).config
+    oracle = OracleDrafter(
+        config, reference=ids[0].tolist() + reference, head=target.lm_head.weight / 4.0, correct=correct
+    )
+    result = speculative_generate(target, oracle, ids, max_new_tokens=40, stop_token_ids=[])
+    assert result.output_ids == reference
+    assert len(set(result.accepted_lengths)) > 1
+
+
+def test_hybrid_linear_attention_target_is_refused():
+    config = Qwen3_5TextConfig(
+        layer_types=["linear_attention", "full_attention", "linear_attention", "full_attention"],
+        linear_key_head_dim=16,
+        linear_value_head_dim=16,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        attn_implementation="sdpa",
+        **{**DIMS, "num_hidden_layers": 4},
+    )
+    target = _seeded(lambda: Qwen3_5ForCausalLM(config).eval(), 2)
+    drafter = DFlashDrafter(
+        DrafterModelConfig.from_target(
+            config, num_layers=1, block_size=4, mask_token_id=VOCAB - 1, num_target_features=1
+        )
+    )
+    with pytest.raises(NotImplementedError, match="linear-attention"):
+        speculative_generate(target, drafter, prompt_ids(), max_new_tokens=8, stop_token_ids=[])
+
+
+def test_sampling_is_reproducible_and_near_zero_temperature_is_greedy():
+    target = qwen3_target()
+    drafter = drafter_for(target, block_size=4)
+    ids = prompt_ids()
+
+    def sample(temperature: float, seed: int) -> list[int]:
+        generator = torch.Generator().manual_seed(seed)
+        return speculative_generate(
+            target, drafter, ids, max_new_tokens=20, stop_token_ids=[], temperature=temperature, generator=generator
+        ).output_ids
+
+    assert sample(1.0, 0) == sample(1.0, 0)
+    assert sample(1.0, 0) != sample(1.0, 1)  # fails only if two seeds agree on all 20 tokens
+    greedy = target_generate(target, ids, max_new_tokens=20, stop_token_ids=[]).output_ids
+    assert sample(1e-4, 0) == greedy
+
+
+def test_batch_equals_single_calls():
+    target = qwen3_target()
+    drafter = drafter_for(target, block_size=3)
+    prompts = [prompt_ids(length=length, seed=length) for length in (5, 11, 8)]
+    batch = speculative_generate_batch(target, drafter, prompts, max_new_tokens=12, stop_token_ids=[])
+    for ids, result in zip(prompts, batch, strict=True):
+        single = speculative_generate(target, drafter, ids, max_new_tokens=12, stop_token_ids=[])
+        assert result.output_ids == single.output_ids
+        assert result.accepted_lengths == single.accepted_lengths
+
+
+def test_bad_requests_are_rejected():
+    target = qwen3_target()
+    drafter = drafter_for(target)
+    with pytest.raises(ValueError, match=r"\[1, P\]"):
+        speculative_generate(target, drafter, torch.zeros(2, 4, dtype=torch.long), max_new_tokens=4, stop_token_ids=[])
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        target_generate(target, prompt_ids(), max_new_tokens=0, stop_token_ids=[])
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Runner
+
+
+@pytest.fixture
+def chat_target(tiny_chat_tokenizer) -> LoadedTarget:
+    """A random Qwen3 over the shared tiny chat tokenizer (vocab 256, EOS `<|im_end|>` = 2)."""
+    model = qwen3_target(seed=5, vocab_size=len(tiny_chat_tokenizer))
+    return LoadedTarget(
+        model=model,
+        tokenizer=tiny_chat_tokenizer,
+        config=model.config,
+        name="tiny-qwen3",
+        stop_token_ids=[2],
+        device=torch.device("cpu"),
+        dtype=torch.float32,
+    )
+
+
+@pytest.fixture
+def prompt_file(tmp_path: Path) -> Path:
+    path = tmp_path / "prompts.jsonl"
+    lines = [{"id": f"p{i}", "prompt": " ".join(f"w{(7 * i + j) % 200}" for j in range(5 + i))} for i in range(3)]
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    return path
+
+
+def chat_drafter(target: LoadedTarget, block_size: int = 4) -> DFlashDrafter:
+    config = DrafterModelConfig.from_target(
+        target.config, num_layers=1, block_size=block_size, mask_token_id=5, num_target_features=2
+    )
+    return _seeded(lambda: DFlashDrafter(config), 0)
+
+
+def test_evaluate_writes_report_table_and_histogram(chat_target, prompt_file, tmp_path):
+    drafter = chat_drafter(chat_target)
+    drafter.train()
+    report = evaluate(
+        chat_target,
+        drafter,
+        [str(prompt_file)],
+        num_prompts=3,
+        max_new_tokens=16,
+        temperature=0.0,
+        out_dir=tmp_path / "eval",
+        progress=False,
+    )
+    assert drafter.training  # mode restored
+    (data,) = report.datasets
+    assert data.num_prompts == 3 and data.lossless_checked and data.exact_matches == 3 and not data.near_ties
+    assert len(data.accepted_histogram) == 4
+    steps = sum(data.accepted_histogram)
+    assert steps == data.new_tokens - 3  # one decoding forward per token after each prompt's first, or fewer
+    assert data.tau == pytest.approx((data.new_tokens - 3) / steps)
+    assert data.baseline_tokens_per_s > 0 and data.speculative_tokens_per_s > 0
+    assert data.speedup == pytest.approx(data.speculative_tokens_per_s / data.baseline_tokens_per_s)
+
+    saved = json.loads((tmp_path / "eval" / "eval.json").read_text())
+    assert saved["datasets"][0]["accepted_histogram"] == data.accepted_histogram
+    assert saved["block_size"] == 4 and saved["target"] == "tiny-qwen3"
+    assert (tmp_path / "eval" / "accepted_lengths.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    table = report.format_table()
+    assert "prompts.jsonl" in table and "3/3 identical" in table
+
+
+def test_evaluate_fails_loudly_when_the_verifier_diverges(chat_target, prompt_file, monkeypatch):
+    real = runner.speculative_generate
+
+    def flip_fourth_token(*args, **kwargs) -> GenerationResult:
+        result = real(*args, **kwargs)
+        result.output_ids[3] = (result.output_ids[3] + 1) % 256
+        return result
+
+    monkeypatch.setattr(runner, "speculative_generate", flip_fourth_token)
+    with pytest.raises(LosslessError, match=r"prompt p0: .* at new token 3") as caught:
+        evaluate(
+            chat_target, chat_drafter(chat_target), [str(prompt_file)], num_prompts=1, max_new_tokens=8, progress=False
+        )
+    assert caught.value.position == 3
+    assert caught.value.speculative_token == (caught.value.target_token + 1) % 256
+
+
+def _flipped_output(target: LoadedTarget) -> tuple[Tensor, list[int], list[int]]:
+    ids = encode_prompt(target.tokenizer, Prompt("p", [{"role": "user", "content": "w1 w2"}]), target.device)
+    greedy = target_generate(target.model, ids, max_new_tokens=6, stop_token_ids=[]).output_ids
+    flipped = [*greedy[:2], (greedy[2] + 1) % 256, *greedy[3:]]
+    return ids, greedy, flipped
+
+
+def test_near_tie_divergence_is_reported_only_in_reduced_precision(chat_target):
+    ids, greedy, flipped = _flipped_output(chat_target)
+    common = dict(prompt_id="p", input_ids=ids, target_ids=greedy, speculative_ids=flipped)
+    with pytest.raises(LosslessError, match="float32"):
+        verify_lossless(target_model=chat_target.model, near_tie_ulps=1e9, **common)
+    assert (
+        verify_lossless(
+            target_model=chat_target.model, input_ids=ids, prompt_id="p", target_ids=greedy, speculative_ids=greedy
+        )
+        is None
+    )
+
+    bf16 = chat_target.model.to(torch.bfloat16)
+    near_tie = verify_lossless(target_model=bf16, near_tie_ulps=1e9, **common)
+    assert isinstance(near_tie, NearTieDivergence) and near_tie.position == 2
+    assert near_tie.logit_gap > 0  # the flipped token is not the top one
+    with pytest.raises(LosslessError, match="bfloat16"):
+        verify_lossless(target_model=bf16, near_tie_ulps=0.0, **common)
+
+
+def test_quick_tau_matches_the_decoding_loop(chat_target, prompt_file):
+    drafter = chat_drafter(chat_target, block_size=3)
+    prompts = load_prompt_set(str(prompt_file))
+    tau = quick_tau(chat_target, drafter, prompts=prompts, max_new_tokens=10)
+    results = [
+        speculative_generate(
+            chat_target.model,
+            drafter,
+            encode_prompt(chat_target.tokenizer, p, chat_target.device),
+            max_new_tokens=10,
+            stop_token_ids=[2],
+        )
+        for p in prompts
+    ]
+    lengths = [length for r in results for length in r.accepted_lengths]
+    assert tau == pytest.approx(sum(lengths) / len(lengths))
+    assert quick_tau(chat_target, drafter, datasets=[str(prompt_file)], num_prompts=3, max_new_tokens=10) == tau
