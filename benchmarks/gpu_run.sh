@@ -10,7 +10,7 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT
 python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)"
 
 echo "=== GPU tests"
-timeout 150 python3 -m pytest -q -m gpu tests/test_gpu.py 2>&1 | tail -5 | tee "$OUT/gpu_tests.txt"
+timeout 150 python3 -m pytest -q -x --tb=short -m gpu tests/test_gpu.py 2>&1 | tail -25 | tee "$OUT/gpu_tests.txt"
 
 echo "=== ours: dflash-trainer bench (paper setting)"
 timeout 240 python3 -m dflash_trainer bench recipes/bench-qwen3-8b.yaml --steps 10 --warmup 4 \

@@ -118,7 +118,7 @@ def time_steps(trainer: Trainer, batches: list, *, warmup: int, steps: int, name
     mfu = None
     if peak is not None:
         flops = trainer.flops_per_token(float(np.sum(blocks)) / float(np.sum(tokens)))
-        if name == "drafter_only":  # no target forward in this phase
+        if name.startswith("drafter_only"):  # no target forward in this phase
             flops -= trainer.flops_per_token(0.0)
         mfu = tokens_per_step / median * flops / peak
     mem = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else float("nan")
@@ -155,6 +155,7 @@ def run_bench(
     doc_lens: tuple[int, ...] = (3072, 3072, 2048),
     architecture: dict | None = None,
     out: Path | None = None,
+    compare_compiled: bool = True,
 ) -> list[PhaseResult]:
     architecture = architecture or QWEN3_8B
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -170,6 +171,7 @@ def run_bench(
         trainer.throughput = Throughput()
         trainer.window_metrics = LossMetrics.zeros(trainer.model_config.block_size, device=device)
         trainer.window_blocks = 0
+        trainer.window_steps = 0
         plans = list(trainer.sampler)
         batches = [trainer._make_batch(plan) for plan in plans]
         print(
@@ -184,12 +186,16 @@ def run_bench(
         trainer.capture.capture = lambda *args, **kwargs: cached
         same_batch = [batches[0]]
         results.append(time_steps(trainer, same_batch, warmup=warmup, steps=steps, name="drafter_only"))
+        if compare_compiled and device.type == "cuda":
+            trainer.drafter.compile_layers()
+            name = "drafter_only_compiled"
+            results.append(time_steps(trainer, same_batch, warmup=warmup, steps=steps, name=name))
         trainer.capture.capture = real_capture
         results.append(time_steps(trainer, batches, warmup=warmup, steps=steps, name="end_to_end"))
     for r in results:
         mfu = f"{100 * r.mfu:.1f}%" if r.mfu is not None else "n/a"
         print(
-            f"{r.name:>13}: {r.step_ms_median:8.1f} ms/step (min {r.step_ms_min:.1f}, max {r.step_ms_max:.1f}) | "
+            f"{r.name:>22}: {r.step_ms_median:8.1f} ms/step (min {r.step_ms_min:.1f}, max {r.step_ms_max:.1f}) | "
             f"{r.tokens_per_s:9.0f} target tok/s | MFU {mfu} | peak {r.peak_mem_gib:.1f} GiB | "
             f"first step {r.first_step_s:.1f}s"
         )

@@ -138,7 +138,8 @@ def build_masks(
 def _compiled_flex_attention() -> Callable:
     from torch.nn.attention.flex_attention import flex_attention
 
-    return torch.compile(flex_attention, dynamic=False)
+    # dynamic=None: the first shape change recompiles with symbolic sizes instead of once per shape.
+    return torch.compile(flex_attention, dynamic=None)
 
 
 def attend(q: Tensor, k: Tensor, v: Tensor, mask: object | None, backend: Backend, scale: float) -> Tensor:
@@ -149,8 +150,10 @@ def attend(q: Tensor, k: Tensor, v: Tensor, mask: object | None, backend: Backen
     if backend == "flex" and mask is not None:
         from torch.nn.attention.flex_attention import flex_attention
 
-        # Eager flex_attention is a slow reference implementation; compile it on CUDA.
-        fn = _compiled_flex_attention() if q.device.type == "cuda" else flex_attention
+        # Eager flex_attention is a slow reference implementation: compile it on CUDA, unless we already are
+        # inside a compiled region (compiled drafter layers), which compiles it with the rest.
+        compile_here = q.device.type == "cuda" and not torch.compiler.is_compiling()
+        fn = _compiled_flex_attention() if compile_here else flex_attention
         return fn(q, k, v, block_mask=mask, scale=scale, enable_gqa=enable_gqa)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=enable_gqa)
 

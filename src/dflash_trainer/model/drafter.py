@@ -151,11 +151,10 @@ class DrafterLayer(nn.Module):
         ctx: Tensor,
         block_rope: tuple[Tensor, Tensor],
         ctx_rope: tuple[Tensor, Tensor],
-        masks: DrafterMasks | None,
+        mask: object | None,
         backend: Backend,
         cache: ContextCache | None,
     ) -> Tensor:
-        mask = masks.for_variant(self.variant) if masks is not None else None
         x = x + self.self_attn(
             self.input_layernorm(x), ctx, block_rope, ctx_rope, mask, backend, cache=cache, layer=self.layer
         )
@@ -209,5 +208,13 @@ class DFlashDrafter(nn.Module):
         block_rope = self.rotary_emb(x, block_positions)  # cos/sin [R, N*B, D]
         ctx_rope = self.rotary_emb(x, ctx_positions)  # [R, T, D]
         for layer in self.layers:
-            x = layer(x, ctx, block_rope, ctx_rope, masks, backend, cache)
+            mask = masks.for_variant(layer.variant) if masks is not None else None
+            x = layer(x, ctx, block_rope, ctx_rope, mask, backend, cache)
         return self.norm(x)
+
+    def compile_layers(self) -> None:
+        """torch.compile each decoder layer (GPU training): fuses the norms, RoPE, SwiGLU and residual adds
+        around the matmuls and compiles flex attention inside. Shapes change from batch to batch, so dynamic
+        shapes are left to dynamo's automatic detection (one recompile, then symbolic)."""
+        for layer in self.layers:
+            layer.compile(dynamic=None)
