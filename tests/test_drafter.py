@@ -208,3 +208,12 @@ def test_forward_and_backward_under_bf16_autocast():
     assert out.dtype == torch.bfloat16 and torch.isfinite(out).all()
     out.float().square().mean().backward()
     assert all(p.grad is not None and p.grad.dtype == torch.float32 for p in drafter.parameters())
+
+
+def test_rope_frequencies_stay_float32_when_the_drafter_is_cast():
+    drafter = DFlashDrafter(tiny_drafter_config())
+    exact = drafter.rotary_emb.inv_freq.clone()
+    drafter = drafter.to(torch.bfloat16)
+    assert drafter.fc.weight.dtype == torch.bfloat16
+    assert drafter.rotary_emb.inv_freq.dtype == torch.float32
+    assert torch.equal(drafter.rotary_emb.inv_freq, exact)

@@ -171,7 +171,18 @@ class DFlashDrafter(nn.Module):
         self.layers = nn.ModuleList(DrafterLayer(config, i) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(hidden, config.rms_norm_eps)
         self.rotary_emb = Qwen3RotaryEmbedding(config.to_hf_config())
+        # Kept outside the module's buffers so `.to(bfloat16)` cannot round it (see `_apply`).
+        self._inv_freq_fp32 = self.rotary_emb.inv_freq.detach().clone().float().cpu()
         self.reset_parameters()
+
+    def _apply(self, fn, recurse=True):
+        """`.to(dtype)` would round the RoPE frequencies to bf16 (a radian of phase error by position ~1000):
+        whatever the module's dtype, the frequencies stay the exact float32 values."""
+        super()._apply(fn, recurse)
+        device = self.rotary_emb.inv_freq.device
+        self.rotary_emb.inv_freq = self._inv_freq_fp32.to(device)
+        self.rotary_emb.original_inv_freq = self._inv_freq_fp32.to(device)
+        return self
 
     @property
     def mask_variants(self) -> list[MaskVariant]:
