@@ -47,17 +47,19 @@ def write_prompt_chats(source: str, out_file: Path, *, limit: int | None) -> Pat
     return out_file
 
 
+def regeneration_records(source: str, limit: int | None) -> str | list[dict]:
+    """A chat JSONL path as is, or the prompts of a prompt set (`gsm8k:train`) as records to answer."""
+    if Path(source).exists():
+        return source
+    name, split = parse_prompt_source(source)
+    return [{"id": p.id, "messages": list(p.messages)} for p in load_prompt_set(name, split=split, limit=limit)]
+
+
 def regenerated_chats(source: str, target: LoadedTarget, out_dir: Path, config: RunConfig) -> list[Path]:
     from ..target.regenerate import regenerate
 
-    name, split = parse_prompt_source(source)
-    if Path(source).exists():
-        records = source
-    else:
-        prompts = load_prompt_set(name, split=split, limit=config.prepare.limit)
-        records = [{"id": p.id, "messages": list(p.messages)} for p in prompts]
     regenerate(
-        records,
+        regeneration_records(source, config.prepare.limit),
         target,
         out_dir,
         max_new_tokens=config.prepare.max_new_tokens,
@@ -113,7 +115,13 @@ def wait_for_shards(shards: Path, poll_s: float = 2.0) -> None:
         time.sleep(poll_s)
 
 
-def run_training(config: RunConfig, *, should_stop: Callable[[], bool] = lambda: False) -> TrainSummary:
+def run_training(
+    config: RunConfig, *, should_stop: Callable[[], bool] = lambda: False, world: World | None = None
+) -> TrainSummary:
+    """Train (colocated or disaggregated, per `placement`), then export, evaluate and plot on the main rank.
+    Joins and leaves the process group itself unless given the `world` (launch.py gives it)."""
+    if world is not None:
+        return _run_training(config, world, should_stop)
     world = init_world(config.target.device, timeout_s=config.placement.timeout_s)
     try:
         return _run_training(config, world, should_stop)
@@ -122,30 +130,47 @@ def run_training(config: RunConfig, *, should_stop: Callable[[], bool] = lambda:
 
 
 def _run_training(config: RunConfig, world: World, should_stop: Callable[[], bool]) -> TrainSummary:
-    target = load_config_target(config, device=str(world.device))
-    if world.is_main:
-        ensure_train_data(config, target)
+    target = None
+    if config.placement.disaggregated:
+        from .disaggregated import run_disaggregated
+
+        summary, trainer = run_disaggregated(
+            config,
+            world,
+            should_stop=should_stop,
+            prepare_data=ensure_train_data,
+            wait_for_data=lambda: wait_for_shards(Path(config.data.train_shards)),
+        )
+        if trainer is None or not trainer.is_main:
+            return summary
     else:
-        wait_for_shards(Path(config.data.train_shards))
-    trainer = Trainer(config, should_stop=should_stop, target=target, world=world)
-    summary = trainer.fit()
+        target = load_config_target(config, device=str(world.device))
+        if world.is_main:
+            ensure_train_data(config, target)
+        else:
+            wait_for_shards(Path(config.data.train_shards))
+        trainer = Trainer(config, should_stop=should_stop, target=target, world=world)
+        summary = trainer.fit()
+        if not world.is_main:
+            return summary
     run_dir = Path(config.run_dir)
-    if not world.is_main:
-        return summary
     if summary.interrupted:
         print(f"stopped at step {summary.steps}; resume with the same command. checkpoint: {summary.last_checkpoint}")
         return summary
     export_dir = run_dir / "export"
     from ..export import export_drafter
 
-    export_drafter(trainer.drafter, export_dir)
+    drafter = trainer.exportable_drafter()
+    export_drafter(drafter, export_dir)
     if config.eval.at_end:
         from ..eval.runner import evaluate
 
-        trainer.drafter.eval()
+        # Disaggregated drafter ranks hold no decoder layers: load the whole target for the evaluation.
+        target = target or load_config_target(config, device=str(world.device))
+        drafter.eval()
         report = evaluate(
             target,
-            trainer.drafter,
+            drafter,
             config.eval.datasets,
             num_prompts=config.eval.num_prompts,
             max_new_tokens=config.eval.max_new_tokens,
@@ -210,13 +235,8 @@ def regenerate_command(
     from ..target.regenerate import regenerate
 
     loaded = load_target(target)
-    if Path(source).exists():
-        records = source
-    else:
-        name, split = parse_prompt_source(source)
-        records = [{"id": p.id, "messages": list(p.messages)} for p in load_prompt_set(name, split=split, limit=limit)]
     summary = regenerate(
-        records,
+        regeneration_records(source, limit),
         loaded,
         out_dir,
         max_new_tokens=max_new_tokens,
