@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -60,14 +59,14 @@ def cmd_train(args: argparse.Namespace) -> int:
         overrides.append(f"metrics.profile_interval={args.profile_interval}")
     config = load_config(resolve_recipe(recipe), overrides)
     if args.nproc and args.nproc > 1 and "LOCAL_RANK" not in os.environ:
-        from .launch import torchrun_command
+        from .distributed.roles import check_placement
+        from .launch import run_torchrun
 
-        return subprocess.call(torchrun_command(args.nproc, without_option(sys.argv[1:], "--nproc")))
-    from .launch import StopFlag
-    from .train.pipeline import run_training
+        check_placement(config.placement, args.nproc)
+        return run_torchrun(args.nproc, without_option(sys.argv[1:], "--nproc"))
+    from .launch import train_rank
 
-    run_training(config, should_stop=StopFlag().install())
-    return 0
+    return train_rank(config)
 
 
 def cmd_prepare(args: argparse.Namespace) -> int:

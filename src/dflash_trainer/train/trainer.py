@@ -1,8 +1,13 @@
-"""The colocated trainer: target forward (no grad) -> features -> drafter forward -> loss -> backward -> step.
+"""The trainer: target forward (no grad) -> features -> drafter forward -> loss -> backward -> step.
 
 Read `fit` top to bottom: it is the whole loop. Each stage is a small method; the profiler times them when on.
 Host syncs in the loop, all commented where they happen: one finiteness check per optimizer step (a NaN step
 must not reach the weights), and converting the metric counters on log steps.
+
+`Trainer` is the colocated placement (every rank runs target and drafter; one process is the one-rank case).
+The disaggregated placement's drafter ranks run the same loop with the features arriving from target ranks
+(`train/disaggregated.py` subclasses the hooks marked "placement hook"). Collectives go to `self.group`: the
+default group when colocated, the drafter group when disaggregated.
 """
 
 from __future__ import annotations
@@ -10,18 +15,17 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
-import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from torch.nn.parallel import DistributedDataParallel
+from torch import nn
 
 from ..config import RunConfig
-from ..data.sampler import TokenBudgetSampler, collate
-from ..data.shards import load_shards
+from ..data.sampler import BatchPlan
+from ..distributed.failure import FaultInjection
 from ..distributed.world import World
 from ..model.anchors import gather_block_states
 from ..model.attention import build_masks, resolve_backend
@@ -31,14 +35,15 @@ from ..model.loss import LossMetrics, default_gamma, dflash_loss
 from ..model.noise import add_feature_noise, noise_std_at
 from ..target.capture import (
     FeatureCapture,
+    TargetOutputs,
     decoder_module,
     embedding_module,
     lm_head_module,
-    model_supports_packing,
 )
 from ..target.loader import LoadedTarget, find_spare_mask_token_id, load_target
 from . import checkpoint as ckpt
-from .batch import TrainBatch, make_train_batch
+from .batch import TrainBatch
+from .data_setup import load_training_data, plan_to_batch
 from .metrics import (
     MetricsLogger,
     Progress,
@@ -51,6 +56,9 @@ from .metrics import (
 )
 from .optim import build_optimizer, build_scheduler
 from .profiler import StageProfiler
+from .rank_report import RankProfileReport
+from .schedule import DataPosition, count_steps, position_of, step_groups
+from .sharding import make_sync
 
 
 class NonFiniteLossError(RuntimeError):
@@ -95,6 +103,18 @@ def _single_device(requested: str) -> str:
     return requested
 
 
+@dataclass
+class StepWork:
+    """The micro-batches of one optimizer step on this rank."""
+
+    batches: list[TrainBatch]
+    # Features per micro-batch when another rank computed them; None: run the target here.
+    outputs: list[TargetOutputs | None]
+    # Multiplies each micro-batch loss so that the synced gradient is the step's mean: 1 / this rank's
+    # micro-batches when the sync averages over ranks (DDP, FSDP2), 1 / the whole step's when it sums them.
+    loss_scale: float
+
+
 class Trainer:
     def __init__(
         self,
@@ -108,9 +128,11 @@ class Trainer:
         self.config = config
         self.should_stop = should_stop
         self.world = world or World(device=torch.device(_single_device(config.target.device)))
-        self.log = log if self.world.is_main else (lambda _: None)
+        self.group, self.group_size, self.is_main = self._sync_group()
+        self.log = log if self.is_main else (lambda _: None)
         self.run_dir = Path(config.run_dir)
         self.device = self.world.device
+        self.faults = FaultInjection.from_env(self.world.rank)
         torch.manual_seed(config.train.seed)
         self.target = target or load_target(
             config.target.name_or_path,
@@ -126,50 +148,85 @@ class Trainer:
         self.skipped_nonfinite = 0
         self.stop_agreed = False
         self.profiler = StageProfiler.from_env(
-            config.metrics.profile_interval, self.device, sink=self.log, label=f"rank{self.world.rank}"
+            config.metrics.profile_interval, self.device, sink=self.log, label=self.rank_label()
         )
+        self.rank_report = RankProfileReport(
+            self.profiler,
+            label=self.rank_label(),
+            group=self.group,
+            distributed=self.group_size > 1,
+            is_main=self.is_main,
+            sink=self.log,
+        )
+
+    # ------------------------------------------------------------------------------------------ placement hooks
+
+    def _sync_group(self) -> tuple[dist.ProcessGroup | None, int, bool]:
+        """(group for gradients, metrics and agreement, its size, whether this rank logs and checkpoints)."""
+        return None, self.world.world_size, self.world.is_main
+
+    def rank_label(self) -> str:
+        return f"rank{self.world.rank}"
+
+    def _sampler_shard(self) -> tuple[int, int, int]:
+        """(sampler rank, sampler world size, sampler batches per optimizer step on this rank)."""
+        return self.world.rank, self.world.world_size, self.config.optim.grad_accum
+
+    def layout(self) -> str:
+        """How the global micro-batches of a step are made, for messages."""
+        return f"{self.group_size} rank(s) x grad_accum {self.config.optim.grad_accum}"
+
+    def _setup_target_side(self) -> None:
+        """The target modules this rank uses: the feature capture, and the frozen embedding and LM head."""
+        self.capture = FeatureCapture(
+            self.target.model,
+            self.model_config.target_layer_ids,
+            need_final_hidden=self.config.loss.label_source != "data",
+        )
+        self.embed = embedding_module(self.target.model)
+        self.lm_head = lm_head_module(self.target.model)
+        deepest = max(self.model_config.target_layer_ids)
+        layers = decoder_module(self.target.model).layers[: deepest + 1]
+        self.target_params_used = sum(p.numel() for layer in layers for p in layer.parameters())
+
+    def _step_groups(self) -> Iterator[StepWork]:
+        """This rank's micro-batches per optimizer step, across epochs, from the sampler's (resumable) position."""
+        for plans in step_groups(
+            self.sampler, epochs=self.config.train.epochs, micro_batches_per_step=self.sampler_step_batches
+        ):
+            if self.step >= self.total_steps:  # resumed at train.max_steps
+                return
+            batches = []
+            for plan in plans:
+                with self.profiler.stage("data"):
+                    batches.append(self._make_batch(plan))
+            yield StepWork(batches=batches, outputs=[None] * len(batches), loss_scale=1.0 / len(batches))
+
+    def _end_of_data(self, *, interrupted: bool) -> None:
+        """After the last step, before the final checkpoint."""
+
+    def _placement_log_values(self, steps: int) -> dict[str, float]:
+        """Extra metrics of a log step (`steps` optimizer steps since the last one)."""
+        return {}
+
+    def _received_profiles(self) -> dict:
+        """Stage summaries of other ranks that reached this one since the last log step."""
+        return {}
 
     # ------------------------------------------------------------------------------------------------ setup
 
     def _setup_data(self) -> None:
-        data = self.config.data
-        if not data.train_shards:
-            raise ValueError("data.train_shards: no shard directory given (run `dflash-trainer prepare` first)")
-        self.dataset = load_shards(
-            data.train_shards,
-            vocab_size=self.target.config.vocab_size,
-            max_seq_len=data.max_seq_len,
-            overlong=data.overlong,
+        rank, world_size, self.sampler_step_batches = self._sampler_shard()
+        self.data = load_training_data(self.config, self.target, rank=rank, world_size=world_size, log=self.log)
+        self.dataset, self.sampler = self.data.dataset, self.data.sampler
+        # Global micro-batches per optimizer step (what a resume must keep, see train/schedule.py).
+        self.batches_per_step = self.group_size * self.config.optim.grad_accum
+        self.total_steps = count_steps(
+            self.sampler,
+            epochs=self.config.train.epochs,
+            micro_batches_per_step=self.sampler_step_batches,
+            max_steps=self.config.train.max_steps,
         )
-        packing = data.packing
-        if packing and not model_supports_packing(self.target.model):
-            # Linear-attention (recurrent) layers would carry state across packed documents.
-            self.log(
-                f"data.packing: {type(self.target.model).__name__} cannot keep packed documents apart; one per row"
-            )
-            packing = False
-        self.sampler = TokenBudgetSampler(
-            self.dataset.lengths,
-            token_budget=data.token_budget,
-            max_seq_len=data.max_seq_len,
-            max_batch_size=data.max_batch_size,
-            packing=packing,
-            seed=data.seed,
-            rank=self.world.rank,
-            world_size=self.world.world_size,
-        )
-        pad = self.target.tokenizer.pad_token_id
-        self.pad_token_id = 0 if pad is None else pad
-        self.total_steps = self._count_total_steps()
-
-    def _count_total_steps(self) -> int:
-        accum = self.config.optim.grad_accum
-        total = 0
-        for epoch in range(self.config.train.epochs):
-            total += math.ceil(self.sampler.batches_in_epoch(epoch) / accum)
-        if self.config.train.max_steps is not None:
-            total = min(total, self.config.train.max_steps)
-        return total
 
     def _setup_drafter(self) -> None:
         self.model_config = drafter_model_config(self.config, self.target)
@@ -180,16 +237,15 @@ class Trainer:
             self.model_config = self.drafter.config
         else:
             self.drafter = DFlashDrafter(self.model_config).to(self.device)  # fp32 master weights
-        # Replicas start equal: every rank seeds the same init; DDP also broadcasts rank 0's weights.
-        self.ddp = DistributedDataParallel(self.drafter) if self.world.distributed else None
-        self.backend = resolve_backend(self.config.drafter.attention_backend, self.device)
-        self.capture = FeatureCapture(
-            self.target.model,
-            self.model_config.target_layer_ids,
-            need_final_hidden=self.config.loss.label_source != "data",
+        self.sync = make_sync(
+            self.drafter,
+            sharding=self.config.placement.sharding,
+            group_size=self.group_size,
+            group=self.group,
+            explicit=self.config.placement.disaggregated,
         )
-        self.embed = embedding_module(self.target.model)
-        self.lm_head = lm_head_module(self.target.model)
+        self.backend = resolve_backend(self.config.drafter.attention_backend, self.device)
+        self._setup_target_side()
         self.gamma = self.config.loss.gamma or default_gamma(self.model_config.block_size)
         precision = self.config.train.precision
         use_bf16 = precision == "bf16" or (precision == "auto" and self.device.type == "cuda")
@@ -201,17 +257,18 @@ class Trainer:
         self.scheduler = build_scheduler(self.optimizer, self.config.optim, total_steps=self.total_steps)
 
     def flops_per_token(self, blocks_per_token: float) -> float:
-        deepest = max(self.model_config.target_layer_ids)
-        layers = decoder_module(self.target.model).layers[: deepest + 1]
-        target_params = sum(p.numel() for layer in layers for p in layer.parameters())
         return dflash_flops_per_token(
-            target_params_used=target_params,
+            target_params_used=self.target_params_used,
             drafter_params=sum(p.numel() for p in self.drafter.parameters()),
             blocks_per_token=blocks_per_token,
             block_size=self.model_config.block_size,
             hidden=self.model_config.hidden_size,
             vocab=self.model_config.vocab_size,
         )
+
+    def exportable_drafter(self) -> nn.Module:
+        """The trained drafter with ordinary parameters (main rank, after `fit`), for export and evaluation."""
+        return self.sync.plain_drafter()
 
     # ------------------------------------------------------------------------------------------------ loop
 
@@ -221,26 +278,28 @@ class Trainer:
         self.logger = MetricsLogger(
             self.run_dir,
             tensorboard=self.config.metrics.tensorboard,
-            is_main=self.world.is_main,
+            is_main=self.is_main,
             resume_step=self.step if resumed_from else 0,
         )
         self.progress = Progress(
-            self.total_steps, initial=self.step, enabled=self.config.metrics.progress_bar and self.world.is_main
+            self.total_steps, initial=self.step, enabled=self.config.metrics.progress_bar and self.is_main
         )
         self.throughput = Throughput()
         self.window_metrics = LossMetrics.zeros(self.model_config.block_size, device=self.device)
         self.window_blocks = 0
+        self.window_steps = 0
         last_checkpoint, interrupted, last_values = resumed_from, False, {}
         self.log(
             f"training {self.total_steps} steps on {self.device} | target {self.target.name} | drafter "
             f"{sum(p.numel() for p in self.drafter.parameters()) / 1e6:.2f}M params, "
             f"layers {self.model_config.num_hidden_layers}, "
             f"block {self.model_config.block_size}, taps {self.model_config.target_layer_ids} | "
-            f"{self.dataset.stats.samples} samples, {self.dataset.stats.tokens} tokens | run dir {self.run_dir}"
+            f"{self.dataset.stats.samples} samples, {self.dataset.stats.tokens} tokens | {self.layout()} | "
+            f"run dir {self.run_dir}"
         )
         try:
-            for micro_batches in self._step_groups():
-                self._optimizer_step(micro_batches)
+            for work in self._step_groups():
+                self._optimizer_step(work.batches, outputs=work.outputs, loss_scale=work.loss_scale)
                 self.progress.update()
                 if self.step % self.config.metrics.log_every == 0 or self.step == self.total_steps:
                     last_values = self._log_step()
@@ -253,6 +312,7 @@ class Trainer:
                     break
                 if self.step >= self.total_steps:
                     break
+            self._end_of_data(interrupted=interrupted)
             if last_checkpoint is None or not last_checkpoint.name.endswith(f"{self.step:08d}"):
                 last_checkpoint = self.save_checkpoint()
         finally:
@@ -271,47 +331,37 @@ class Trainer:
             data_stats=dataclasses.asdict(self.dataset.stats),
         )
 
-    def _step_groups(self) -> Iterator[list[TrainBatch]]:
-        """Micro-batches grouped per optimizer step, across epochs, from the sampler's (resumable) position."""
-        accum = self.config.optim.grad_accum
-        for epoch in range(self.sampler.epoch, self.config.train.epochs):
-            self.sampler.set_epoch(epoch)
-            group: list[TrainBatch] = []
-            for plan in self.sampler:
-                with self.profiler.stage("data"):
-                    group.append(self._make_batch(plan))
-                if len(group) == accum:
-                    yield group
-                    group = []
-            if group:
-                yield group
-
-    def _make_batch(self, plan) -> TrainBatch:
-        packed = collate(self.dataset, plan, self.pad_token_id)
-        batch = make_train_batch(
-            packed,
+    def _make_batch(self, plan: BatchPlan) -> TrainBatch:
+        return plan_to_batch(
+            plan,
+            self.data,
             block_size=self.model_config.block_size,
             mask_token_id=self.model_config.mask_token_id,
-            max_anchors=self.config.data.max_anchors,
-            seed=self.config.data.seed,
-            epoch=plan.epoch,
-            # The global batch number (batch i goes to rank i % world_size): anchors do not depend on the rank count.
-            index=plan.index * self.world.world_size + self.world.rank,
-            pin_memory=self.device.type == "cuda",
+            config=self.config,
+            device=self.device,
         )
-        return batch.to(self.device)
 
-    def _optimizer_step(self, micro_batches: list[TrainBatch]) -> None:
+    def _optimizer_step(
+        self,
+        micro_batches: list[TrainBatch],
+        *,
+        outputs: list[TargetOutputs | None] | None = None,
+        loss_scale: float | None = None,
+    ) -> None:
+        self.faults.at_step(self.step + 1)
         self.drafter.train()
+        outputs = outputs or [None] * len(micro_batches)
+        scale = 1.0 / len(micro_batches) if loss_scale is None else loss_scale
         step_metrics = LossMetrics.zeros(self.model_config.block_size, device=self.device)
-        for i, batch in enumerate(micro_batches):
-            # DDP all-reduces gradients on the last micro-batch's backward only.
-            last = i == len(micro_batches) - 1
-            sync = contextlib.nullcontext() if self.ddp is None or last else self.ddp.no_sync()
-            with sync:
-                step_metrics.add_(self._forward_backward(batch, scale=1.0 / len(micro_batches)))
+        for i, (batch, target_outputs) in enumerate(zip(micro_batches, outputs, strict=True)):
+            # DDP / FSDP2 reduce gradients on the last micro-batch's backward only.
+            with self.sync.micro_batch(last=i == len(micro_batches) - 1):
+                step_metrics.add_(self._forward_backward(batch, target_outputs, scale=scale))
         with self.profiler.stage("optimizer"):
-            grad_norm = torch.nn.utils.clip_grad_norm_(self.drafter.parameters(), self.config.optim.grad_clip)
+            self.sync.after_micro_batches()
+            grad_norm = self.sync.local_norm(
+                torch.nn.utils.clip_grad_norm_(self.drafter.parameters(), self.config.optim.grad_clip)
+            )
             finite = self._agree_step(grad_norm, step_metrics.loss_sum)
             if finite:
                 self.optimizer.step()
@@ -320,6 +370,7 @@ class Trainer:
             self.optimizer.zero_grad(set_to_none=True)
             self.scheduler.step()
         self.step += 1
+        self.window_steps += 1
         if finite:
             self.window_metrics.add_(step_metrics)
         self.last_grad_norm = grad_norm
@@ -336,8 +387,8 @@ class Trainer:
                 torch.tensor(float(self.should_stop()), device=grad_norm.device),
             ]
         )
-        if self.world.distributed:
-            dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        if self.group_size > 1:
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.group)
         nonfinite, stop = flags.tolist()
         self.stop_agreed = stop > 0
         return nonfinite == 0
@@ -350,11 +401,12 @@ class Trainer:
         self.skipped_nonfinite += 1
         self.log(f"skipping: {message}")
 
-    def _forward_backward(self, batch: TrainBatch, *, scale: float) -> LossMetrics:
-        with self.profiler.stage("target_forward"):
-            # Rows of one document need no document mask, which keeps SDPA on its flash kernel.
-            doc_ids = batch.doc_ids if batch.packed else None
-            outputs = self.capture.capture(batch.input_ids, batch.position_ids, doc_ids)
+    def _forward_backward(self, batch: TrainBatch, outputs: TargetOutputs | None, *, scale: float) -> LossMetrics:
+        if outputs is None:
+            with self.profiler.stage("target_forward"):
+                # Rows of one document need no document mask, which keeps SDPA on its flash kernel.
+                doc_ids = batch.doc_ids if batch.packed else None
+                outputs = self.capture.capture(batch.input_ids, batch.position_ids, doc_ids)
         with self.profiler.stage("feature_pack"):
             features = self._noisy(outputs.features)
             with torch.no_grad():
@@ -377,7 +429,7 @@ class Trainer:
         block = self.model_config.block_size
         with autocast:
             with self.profiler.stage("drafter_forward"):
-                hidden = (self.ddp or self.drafter)(
+                hidden = self.sync.module(
                     features=features,
                     block_embeds=block_embeds,
                     ctx_positions=batch.position_ids,
@@ -425,12 +477,12 @@ class Trainer:
         window = self.throughput.take()
         metrics = self.window_metrics
         tokens, blocks = window.tokens, self.window_blocks
-        if self.world.distributed:
+        if self.group_size > 1:
             # Sum/total pairs and counts from every rank in one collective.
             flat = torch.cat(
                 [metrics.to_tensor(), torch.tensor([tokens, blocks], dtype=torch.float64, device=self.device)]
             )
-            dist.all_reduce(flat)
+            dist.all_reduce(flat, group=self.group)
             metrics = LossMetrics.from_tensor(flat[:-2])
             tokens, blocks = int(flat[-2]), int(flat[-1])
         # Sync (log steps only): device counters become host numbers here and nowhere else.
@@ -454,14 +506,17 @@ class Trainer:
             values["mfu"] = mfu(values["tokens_per_s"], flops, peak * self.world.world_size)
         if self.skipped_nonfinite:
             values["skipped_steps"] = self.skipped_nonfinite
+        values.update(self._placement_log_values(self.window_steps))
         eta = self.progress.eta_seconds()
         if eta is not None:
             values["eta_s"] = eta
         self.logger.log(self.step, values)
-        self.progress.write(format_console_line(self.step, self.total_steps, values))
-        self.profiler.maybe_report(self.step)
+        if self.is_main:
+            self.progress.write(format_console_line(self.step, self.total_steps, values))
+        self.rank_report.on_log_step(self.step, self._received_profiles(), last=self.step == self.total_steps)
         self.window_metrics = LossMetrics.zeros(self.model_config.block_size, device=self.device)
         self.window_blocks = 0
+        self.window_steps = 0
         return values
 
     def _periodic_eval(self) -> None:
@@ -482,38 +537,43 @@ class Trainer:
     # ------------------------------------------------------------------------------------------------ state
 
     def save_checkpoint(self) -> Path:
-        """Rank 0 writes (replicas are identical); the others wait so nobody races ahead of a half-written one."""
+        """The main rank writes (replicas are identical; FSDP2 shards are gathered onto it first); the others wait
+        so nobody races ahead of a half-written checkpoint."""
         path = ckpt.checkpoint_dir(self.run_dir) / f"step-{self.step:08d}"
         with self.profiler.stage("checkpoint"):
-            if self.world.is_main:
-                self._write_checkpoint()
-            if self.world.distributed:
-                dist.barrier()
+            drafter_state, optimizer_state = self.sync.full_state(self.optimizer)
+            if self.is_main:
+                self._write_checkpoint(drafter_state, optimizer_state)
+            if self.group_size > 1:
+                dist.barrier(group=self.group)
         return path
 
-    def _write_checkpoint(self) -> Path:
+    def _write_checkpoint(self, drafter_state: dict[str, torch.Tensor], optimizer_state: dict) -> Path:
+        position = position_of(self.sampler, batches_per_step=self.batches_per_step, layout=self.layout())
         trainer_state = {
             "step": self.step,
-            "optimizer": self.optimizer.state_dict(),
+            "optimizer": optimizer_state,
             "scheduler": self.scheduler.state_dict(),
             "sampler": self.sampler.state_dict(),
+            "data_position": position.to_dict(),
             "rng": ckpt.rng_state(),
             "skipped_nonfinite": self.skipped_nonfinite,
             "total_steps": self.total_steps,
         }
-        path = ckpt.save_checkpoint(
+        return ckpt.save_checkpoint(
             run_dir=self.run_dir,
             step=self.step,
-            drafter_state=self.drafter.state_dict(),
+            drafter_state=drafter_state,
             drafter_config_json=json.dumps(dataclasses.asdict(self.model_config), indent=2),
             trainer_state=trainer_state,
             config=self.config,
             keep_last=self.config.checkpoint.keep_last,
         )
-        return path
 
     def maybe_resume(self) -> Path | None:
-        """`checkpoint.resume`: `auto` = newest checkpoint of the run dir if any, `none` = never, else a path."""
+        """`checkpoint.resume`: `auto` = newest checkpoint of the run dir if any, `none` = never, else a path.
+
+        Every rank reads the checkpoint (a shared filesystem, as for the run directory itself)."""
         choice = self.config.checkpoint.resume
         if choice == "none":
             return None
@@ -521,12 +581,19 @@ class Trainer:
         if path is None:
             return None
         drafter_state, state = ckpt.load_checkpoint(path)
-        self.drafter.load_state_dict(drafter_state)
-        self.optimizer.load_state_dict(state["optimizer"])
+        self.sampler.load_state_dict(self._resumed_sampler_state(state, source=str(path)))
+        self.sync.load_full_state(self.optimizer, drafter_state, state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
-        self.sampler.load_state_dict(state["sampler"])
         ckpt.restore_rng_state(state["rng"])
         self.step = state["step"]
         self.skipped_nonfinite = state["skipped_nonfinite"]
         self.log(f"resumed from {path} at step {self.step}")
         return path
+
+    def _resumed_sampler_state(self, state: dict, *, source: str) -> dict:
+        """The sampler state at the checkpoint's data position, for this run's ranks (see train/schedule.py)."""
+        if "data_position" not in state:  # written before positions were global: same ranks only
+            return state["sampler"]
+        position = DataPosition.from_dict(state["data_position"])
+        position.check_resumable(batches_per_step=self.batches_per_step, layout=self.layout(), source=source)
+        return position.sampler_state(state["sampler"], self.sampler)

@@ -1,0 +1,308 @@
+"""Feature batches between ranks: a small header first, then the tensors, over torch.distributed send/recv.
+
+One message from a sender to a receiver is, in this order, all with tag `DATA_TAG` (messages between two ranks
+on one tag are delivered in the order they were sent, on gloo and NCCL alike, so nothing else is needed to keep
+them apart):
+1. prefix: int64[3] on the header group = (kind, description length in bytes, protocol version);
+2. description (BATCH only): uint8 JSON `{"tensors": [[name, dtype, shape], ...], "meta": {...}}`;
+3. the tensors, one send each on the payload group, in the description's order.
+`kind` END closes the stream from one sender to one receiver; it has no description and no tensors.
+
+In-flight window: a sender keeps at most `queue_depth` messages outstanding per destination (posted but not yet
+taken by the receiver) and blocks on the oldest before posting more. The receiver posts its receives only when
+it wants the next message, so the window is where the sender runs ahead of the receiver, and it bounds the
+memory the sender holds for a slow receiver. The time a sender blocks on the window is its send wait; the time
+a receiver blocks for a message (its transfer included) is its receive wait.
+
+Notices travel the other way, on `NOTICE_TAG`: when the receivers end (schedule done, or a stop agreed), each
+sends one int64 code to each sender. Senders post the matching receives at the start and poll them between
+batches, so a stop reaches them without any collective.
+
+Completion is watched by a helper thread per sender (and per notice board) that waits on the posted works in
+order: gloo reports a point-to-point work complete only once someone has waited on it, so polling
+`is_completed` would never see a message taken. The helper waits without the group's timeout (an unfinished
+gloo wait that times out closes the connection); the poster applies `timeout_s` to its own waits instead.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import queue
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+DATA_TAG = 0
+NOTICE_TAG = 1
+PROTOCOL_VERSION = 1
+KIND_BATCH = 1
+KIND_END = 2
+# Notice codes: the receivers consumed their whole schedule, or they stopped early (a signal).
+NOTICE_DONE = 1
+NOTICE_STOP = 2
+# The helper thread's wait: effectively unbounded (see the module docstring).
+_HELPER_WAIT = datetime.timedelta(days=30)
+
+
+class TransportError(RuntimeError):
+    """A message did not follow the protocol (wrong kind or version): the two sides disagree on the schedule."""
+
+
+def _dtype_from_name(name: str) -> torch.dtype:
+    dtype = getattr(torch, name.removeprefix("torch."), None)
+    if not isinstance(dtype, torch.dtype):
+        raise TransportError(f"header names unknown dtype {name!r}")
+    return dtype
+
+
+def _wait_on_host(work: dist.Work, *, poll: bool) -> None:
+    """Block this thread until `work` is done: gloo works by waiting (nothing else completes them); NCCL works
+    by polling, because an NCCL `wait` would make this thread's CUDA stream, which is also the trainer's,
+    wait for the transfer and stall the next forward behind it."""
+    if not poll:
+        work.wait(_HELPER_WAIT)
+    while not work.is_completed():
+        time.sleep(0.0005)
+
+
+def _polls(group: dist.ProcessGroup | None) -> bool:
+    return dist.get_backend(group) == "nccl"
+
+
+@dataclass
+class _Posted:
+    """Works posted together (one message), watched by a `_Completions` thread."""
+
+    # (work, poll: see `_wait_on_host`)
+    works: list[tuple[dist.Work, bool]]
+    # The buffers must live until the transfer is done.
+    keepalive: list[torch.Tensor] = field(default_factory=list)
+    finished: threading.Event = field(default_factory=threading.Event)
+    error: BaseException | None = None
+
+    def done(self) -> bool:
+        if self.finished.is_set() and self.error is not None:
+            raise self.error
+        return self.finished.is_set()
+
+    def wait(self, timeout_s: float, what: str) -> None:
+        if not self.finished.wait(timeout_s):
+            raise TimeoutError(f"{what}: not done within placement.timeout_s={timeout_s:g}s")
+        if self.error is not None:
+            raise self.error
+
+
+class _Completions:
+    """A daemon thread that waits on posted works in order and marks each message finished."""
+
+    def __init__(self, name: str) -> None:
+        self._queue: queue.SimpleQueue[_Posted] = queue.SimpleQueue()
+        threading.Thread(target=self._run, name=name, daemon=True).start()
+
+    def watch(self, posted: _Posted) -> _Posted:
+        self._queue.put(posted)
+        return posted
+
+    def _run(self) -> None:
+        while True:
+            posted = self._queue.get()
+            try:
+                for work, poll in posted.works:
+                    _wait_on_host(work, poll=poll)
+            except BaseException as error:  # a dead peer: the poster raises it where it waits
+                posted.error = error
+            posted.finished.set()
+
+
+@dataclass
+class SendStats:
+    """Cumulative sender counters (host floats, no device syncs)."""
+
+    wait_s: float = 0.0
+    sends: int = 0
+    # Sum over sends of the messages outstanding to that destination right after posting (mean = depth).
+    inflight_sum: int = 0
+
+    def as_dict(self) -> dict[str, float]:
+        return {"send_wait_s": self.wait_s, "sends": self.sends, "inflight_sum": self.inflight_sum}
+
+
+class FeatureSender:
+    def __init__(
+        self,
+        *,
+        queue_depth: int,
+        header_group: dist.ProcessGroup | None,
+        payload_group: dist.ProcessGroup | None,
+        timeout_s: float,
+    ) -> None:
+        if queue_depth < 1:
+            raise ValueError(f"queue_depth must be >= 1, got {queue_depth}")
+        self.queue_depth = queue_depth
+        self.header_group = header_group
+        self.payload_group = payload_group
+        self.timeout_s = timeout_s
+        self.stats = SendStats()
+        self._windows: dict[int, deque[_Posted]] = {}
+        self._completions = _Completions("dflash-send-completions")
+
+    def inflight(self, destination: int) -> int:
+        """Messages posted to `destination` that it has not taken yet."""
+        window = self._windows.get(destination, deque())
+        while window and window[0].done():
+            window.popleft()
+        return len(window)
+
+    def wait_for_room(self, destination: int) -> None:
+        """Block until fewer than `queue_depth` messages to `destination` are outstanding (`send` does this too;
+        calling it first lets the caller describe the wait in the header it is about to send)."""
+        self._make_room(destination)
+
+    def send(self, destination: int, *, meta: dict[str, Any], tensors: dict[str, torch.Tensor]) -> None:
+        """Post one batch to `destination`, first waiting for room in its window."""
+        window = self._make_room(destination)
+        description = {
+            "tensors": [[name, str(t.dtype), list(t.shape)] for name, t in tensors.items()],
+            "meta": meta,
+        }
+        encoded = torch.frombuffer(bytearray(json.dumps(description).encode()), dtype=torch.uint8)
+        prefix = torch.tensor([KIND_BATCH, encoded.numel(), PROTOCOL_VERSION], dtype=torch.int64)
+        works = [
+            (dist.isend(prefix, destination, group=self.header_group, tag=DATA_TAG), False),
+            (dist.isend(encoded, destination, group=self.header_group, tag=DATA_TAG), False),
+        ]
+        payload = [t.contiguous() for t in tensors.values()]
+        poll = _polls(self.payload_group)
+        works += [(dist.isend(t, destination, group=self.payload_group, tag=DATA_TAG), poll) for t in payload]
+        window.append(self._completions.watch(_Posted(works=works, keepalive=[prefix, encoded, *payload])))
+        self.stats.sends += 1
+        self.stats.inflight_sum += len(window)
+
+    def end(self, destination: int) -> None:
+        """Close the stream to `destination` (after everything already posted to it)."""
+        window = self._make_room(destination)
+        prefix = torch.tensor([KIND_END, 0, PROTOCOL_VERSION], dtype=torch.int64)
+        work = dist.isend(prefix, destination, group=self.header_group, tag=DATA_TAG)
+        window.append(self._completions.watch(_Posted(works=[(work, False)], keepalive=[prefix])))
+
+    def finish(self) -> None:
+        """Wait until every posted message has been taken by its receiver."""
+        started = time.perf_counter()
+        for destination, window in self._windows.items():
+            while window:
+                window.popleft().wait(self.timeout_s, f"message to rank {destination}")
+        self.stats.wait_s += time.perf_counter() - started
+
+    def _make_room(self, destination: int) -> deque[_Posted]:
+        self.inflight(destination)  # drops what the receiver already took
+        window = self._windows.setdefault(destination, deque())
+        if len(window) >= self.queue_depth:
+            started = time.perf_counter()
+            while len(window) >= self.queue_depth:
+                window.popleft().wait(self.timeout_s, f"room in the window to rank {destination}")
+            self.stats.wait_s += time.perf_counter() - started
+        return window
+
+
+@dataclass
+class ReceiveStats:
+    wait_s: float = 0.0
+    received: int = 0
+
+
+@dataclass
+class Received:
+    meta: dict[str, Any]
+    tensors: dict[str, torch.Tensor]
+
+
+class FeatureReceiver:
+    def __init__(
+        self,
+        *,
+        header_group: dist.ProcessGroup | None,
+        payload_group: dist.ProcessGroup | None,
+        device: torch.device,
+    ) -> None:
+        self.header_group = header_group
+        self.payload_group = payload_group
+        self.device = device
+        self.stats = ReceiveStats()
+
+    def recv(self, source: int) -> Received | None:
+        """The next message from `source`: a batch, or None when the sender ended the stream."""
+        started = time.perf_counter()
+        prefix = torch.empty(3, dtype=torch.int64)
+        dist.recv(prefix, source, group=self.header_group, tag=DATA_TAG)
+        kind, length, version = prefix.tolist()
+        if version != PROTOCOL_VERSION or kind not in (KIND_BATCH, KIND_END):
+            raise TransportError(f"from rank {source}: header kind {kind} version {version} not understood")
+        if kind == KIND_END:
+            self.stats.wait_s += time.perf_counter() - started
+            return None
+        encoded = torch.empty(length, dtype=torch.uint8)
+        dist.recv(encoded, source, group=self.header_group, tag=DATA_TAG)
+        description = json.loads(bytes(encoded.numpy()).decode())
+        tensors = {
+            name: torch.empty(shape, dtype=_dtype_from_name(dtype), device=self.device)
+            for name, dtype, shape in description["tensors"]
+        }
+        works = [dist.irecv(t, source, group=self.payload_group, tag=DATA_TAG) for t in tensors.values()]
+        for work in works:
+            # gloo: blocks until the tensor is here; NCCL: later kernels on this stream wait for it.
+            work.wait()
+        self.stats.wait_s += time.perf_counter() - started
+        self.stats.received += 1
+        return Received(meta=description["meta"], tensors=tensors)
+
+    def drain(self, source: int) -> int:
+        """Receive and drop messages from `source` until it ends the stream; returns how many were dropped."""
+        dropped = 0
+        while self.recv(source) is not None:
+            dropped += 1
+        return dropped
+
+
+class NoticeBoard:
+    """Sender side: one receive posted per receiver rank for its end-of-run notice, checked without blocking."""
+
+    def __init__(self, sources: list[int], group: dist.ProcessGroup | None, *, timeout_s: float) -> None:
+        self.timeout_s = timeout_s
+        self._codes = {source: torch.zeros(1, dtype=torch.int64) for source in sources}
+        completions = _Completions("dflash-notice-completions")
+        self._posted = {
+            source: completions.watch(_Posted(works=[(dist.irecv(code, source, group=group, tag=NOTICE_TAG), False)]))
+            for source, code in self._codes.items()
+        }
+
+    def arrived(self) -> bool:
+        return any(posted.done() for posted in self._posted.values())
+
+    def wait_all(self) -> dict[int, int]:
+        for source, posted in self._posted.items():
+            posted.wait(self.timeout_s, f"end-of-run notice from rank {source}")
+        return {source: int(code.item()) for source, code in self._codes.items()}
+
+
+@dataclass
+class PostedNotices:
+    works: list[dist.Work]
+    # The send buffers must live until the works are done.
+    buffers: list[torch.Tensor]
+
+    def wait(self) -> None:
+        for work in self.works:
+            work.wait()
+
+
+def send_notices(destinations: list[int], code: int, group: dist.ProcessGroup | None) -> PostedNotices:
+    """Receiver side: tell every sender the run ended (`NOTICE_DONE`) or stopped early (`NOTICE_STOP`)."""
+    buffers = [torch.tensor([code], dtype=torch.int64) for _ in destinations]
+    works = [dist.isend(buf, dst, group=group, tag=NOTICE_TAG) for buf, dst in zip(buffers, destinations, strict=True)]
+    return PostedNotices(works=works, buffers=buffers)

@@ -1,0 +1,79 @@
+"""Training data as every rank that touches batches sees it: the shards, the sampler, and plan -> TrainBatch.
+
+Shared by the trainer (colocated ranks, disaggregated drafter ranks) and the disaggregated target ranks, so
+that both sides of a transfer build the same batch list from the same settings.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from ..config import RunConfig
+from ..data.sampler import BatchPlan, TokenBudgetSampler, collate
+from ..data.shards import TokenDataset, load_shards
+from ..target.capture import model_supports_packing
+from ..target.loader import LoadedTarget
+from .batch import TrainBatch, make_train_batch
+
+
+@dataclass
+class TrainingData:
+    dataset: TokenDataset
+    sampler: TokenBudgetSampler
+    pad_token_id: int
+
+
+def load_training_data(
+    config: RunConfig, target: LoadedTarget, *, rank: int, world_size: int, log: Callable[[str], object]
+) -> TrainingData:
+    """The shards of `data.train_shards` and a sampler dealing their batches to `rank` of `world_size`."""
+    data = config.data
+    if not data.train_shards:
+        raise ValueError("data.train_shards: no shard directory given (run `dflash-trainer prepare` first)")
+    dataset = load_shards(
+        data.train_shards, vocab_size=target.config.vocab_size, max_seq_len=data.max_seq_len, overlong=data.overlong
+    )
+    packing = data.packing
+    if packing and not model_supports_packing(target.model):
+        # Linear-attention (recurrent) layers would carry state across packed documents.
+        log(f"data.packing: {type(target.model).__name__} cannot keep packed documents apart; one per row")
+        packing = False
+    sampler = TokenBudgetSampler(
+        dataset.lengths,
+        token_budget=data.token_budget,
+        max_seq_len=data.max_seq_len,
+        max_batch_size=data.max_batch_size,
+        packing=packing,
+        seed=data.seed,
+        rank=rank,
+        world_size=world_size,
+    )
+    pad = target.tokenizer.pad_token_id
+    return TrainingData(dataset=dataset, sampler=sampler, pad_token_id=0 if pad is None else pad)
+
+
+def plan_to_batch(
+    plan: BatchPlan,
+    data: TrainingData,
+    *,
+    block_size: int,
+    mask_token_id: int,
+    config: RunConfig,
+    device: torch.device,
+) -> TrainBatch:
+    packed = collate(data.dataset, plan, data.pad_token_id)
+    batch = make_train_batch(
+        packed,
+        block_size=block_size,
+        mask_token_id=mask_token_id,
+        max_anchors=config.data.max_anchors,
+        seed=config.data.seed,
+        epoch=plan.epoch,
+        # The global batch number (batch i goes to rank i % world_size): anchors do not depend on the rank count.
+        index=plan.index * data.sampler.world_size + data.sampler.rank,
+        pin_memory=device.type == "cuda",
+    )
+    return batch.to(device)

@@ -1,0 +1,349 @@
+"""Disaggregated placement over gloo: target ranks send features, drafter ranks train; the result equals one
+process with grad_accum = drafter ranks x grad_accum on the same data (train/disaggregated.py states why).
+
+The multi-process runs go through the CLI (`--nproc`, i.e. torchrun) and are cached per module: the 2+1 run
+also serves the slow-target and cross-placement resume tests. References run in this process.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from safetensors.torch import load_file
+
+from dflash_trainer.config import load_config
+from dflash_trainer.data.sampler import TokenBudgetSampler
+from dflash_trainer.distributed.transport import (
+    NOTICE_STOP,
+    FeatureReceiver,
+    FeatureSender,
+    NoticeBoard,
+    send_notices,
+)
+from dflash_trainer.train import checkpoint as ckpt
+from dflash_trainer.train.profiler import StageStats
+from dflash_trainer.train.rank_report import bottleneck_line, merge_summaries
+from dflash_trainer.train.schedule import (
+    DataPosition,
+    ResumeError,
+    RunIndex,
+    count_steps,
+    drafter_slot,
+    position_of,
+    step_groups,
+    target_slot,
+)
+from dflash_trainer.train.trainer import Trainer
+from train_helpers import save_tiny_target, write_counting_shards, write_recipe
+
+SRC = Path(__file__).resolve().parents[1] / "src"
+STEPS = 6
+# Seconds per batch of the slowed target rank in the 2+1 run.
+SLOW_S = 0.25
+
+
+# ------------------------------------------------------------------------------------------ schedule (pure)
+
+
+def test_step_groups_and_slots_split_each_step_like_one_process():
+    lengths = np.random.default_rng(0).integers(5, 60, size=37)
+    sampler = TokenBudgetSampler(lengths, token_budget=128, max_seq_len=64, max_batch_size=8, packing=True, seed=3)
+    batches_per_step, drafters, targets = 4, 2, 3
+    groups = list(step_groups(sampler, epochs=2, micro_batches_per_step=batches_per_step))
+    sizes = [sampler.batches_in_epoch(e) for e in range(2)]
+    assert len(groups) == count_steps(sampler, epochs=2, micro_batches_per_step=batches_per_step, max_steps=None)
+    # One process's order: every global batch of both epochs once, in order, M per step (fewer at epoch ends).
+    flat = [(plan.epoch, plan.index) for group in groups for plan in group]
+    assert flat == [(e, i) for e in range(2) for i in range(sizes[e])]
+    assert all(len(g) == batches_per_step or g[-1].index == sizes[g[0].epoch] - 1 for g in groups)
+    assert any(len(g) < batches_per_step for g in groups), "the data should give a short epoch tail"
+    per_target = [0] * targets
+    run_index = RunIndex(
+        TokenBudgetSampler(lengths, token_budget=128, max_seq_len=64, max_batch_size=8, packing=True, seed=3)
+    )
+    assert [run_index(plan.epoch, plan.index) for group in groups for plan in group] == list(range(len(flat)))
+    for group in groups:
+        per_drafter = [0] * drafters
+        for position, plan in enumerate(group):
+            per_drafter[drafter_slot(position, drafters)] += 1
+            per_target[target_slot(run_index(plan.epoch, plan.index), targets)] += 1
+        if len(group) == batches_per_step:
+            assert per_drafter == [batches_per_step // drafters] * drafters
+    assert max(per_target) - min(per_target) <= 1
+
+
+def test_data_position_moves_between_rank_counts_and_refuses_another_step_size():
+    lengths = np.random.default_rng(1).integers(5, 60, size=50)
+    settings = dict(token_budget=128, max_seq_len=64, max_batch_size=8, packing=True, seed=0)
+    two = TokenBudgetSampler(lengths, rank=1, world_size=2, **settings)
+    plans = iter(two)
+    for _ in range(3):
+        next(plans)
+    position = position_of(two, batches_per_step=2, layout="2 ranks x grad_accum 1")
+    assert (position.epoch, position.consumed, position.epoch_done) == (0, 6, False)
+    one = TokenBudgetSampler(lengths, rank=0, world_size=1, **settings)
+    one.load_state_dict(position.sampler_state(two.state_dict(), one))
+    # The single process continues exactly where the pair of ranks stopped in the global batch list.
+    assert next(iter(one)).index == 6
+    three = TokenBudgetSampler(lengths, rank=0, world_size=4, **settings)
+    with pytest.raises(ResumeError, match="not a multiple of 4 ranks"):
+        position.sampler_state(two.state_dict(), three)
+    with pytest.raises(ResumeError, match=r"saved with 2 micro-batches per optimizer step \(2 ranks x grad_accum 1\)"):
+        position.check_resumable(batches_per_step=3, layout="3 ranks x grad_accum 1", source="ckpt")
+    done = DataPosition(epoch=0, consumed=999, epoch_done=True, batches_per_step=2, layout="")
+    assert done.sampler_state(two.state_dict(), one)["consumed"] == one.batches_in_epoch(0)
+
+
+def test_bottleneck_names_the_role_that_keeps_the_other_waiting():
+    summary = merge_summaries({}, {"recv_wait": [3, 0.6, 0.3], "backward": StageStats(3, 0.2, 0.1)})
+    merge_summaries(summary, {"recv_wait": [1, 0.1, 0.5]})
+    assert summary["recv_wait"] == StageStats(4, 0.7, 0.5)
+    merged = {"drafter2": summary, "target0": {"send_wait": StageStats(2, 0.05, 0.03)}}
+    assert bottleneck_line(merged, interval_s=1.0).startswith(
+        "bottleneck: target-bound (idle fraction: drafter ranks 70%"
+    )
+    merged["target0"] = {"send_wait": StageStats(2, 0.9, 0.5)}
+    assert bottleneck_line(merged, interval_s=1.0).startswith("bottleneck: drafter-bound")
+
+
+# ------------------------------------------------------------------------------------------ transport (2 ranks)
+
+
+def _transport_rank(rank: int, store_file: str, out_dir: str) -> None:
+    dist.init_process_group("gloo", init_method=f"file://{store_file}", rank=rank, world_size=2)
+    if rank == 0:
+        sender = FeatureSender(queue_depth=2, header_group=None, payload_group=None, timeout_s=30)
+        board = NoticeBoard([1], group=None, timeout_s=30)
+        depths = []
+        for i in range(6):
+            tensors = {
+                "x": torch.full((3, 4), float(i)),
+                "keep": torch.tensor([i % 2 == 0, True]),
+                "ids": torch.arange(i),
+            }
+            sender.send(1, meta={"i": i, "ids": [f"s{i}"]}, tensors=tensors)
+            depths.append(sender.inflight(1))
+        sender.end(1)
+        sender.finish()
+        result = {"depths": depths, "wait_s": sender.stats.wait_s, "codes": board.wait_all()}
+    else:
+        time.sleep(0.6)  # the sender fills its window meanwhile and must wait
+        receiver = FeatureReceiver(header_group=None, payload_group=None, device=torch.device("cpu"))
+        got = []
+        for _ in range(3):
+            message = receiver.recv(0)
+            i = message.meta["i"]
+            assert message.meta["ids"] == [f"s{i}"]
+            assert torch.equal(message.tensors["x"], torch.full((3, 4), float(i)))
+            assert message.tensors["keep"].dtype == torch.bool and message.tensors["ids"].shape == (i,)
+            got.append(i)
+        notices = send_notices([0], NOTICE_STOP, group=None)
+        result = {"got": got, "dropped": receiver.drain(0)}
+        notices.wait()
+    Path(out_dir, f"rank{rank}.json").write_text(json.dumps(result))
+    dist.destroy_process_group()
+
+
+def test_transport_keeps_order_bounds_the_window_and_drains_after_a_stop(tmp_path):
+    mp.spawn(_transport_rank, args=(str(tmp_path / "store"), str(tmp_path)), nprocs=2, join=True)
+    sender = json.loads((tmp_path / "rank0.json").read_text())
+    receiver = json.loads((tmp_path / "rank1.json").read_text())
+    assert receiver == {"got": [0, 1, 2], "dropped": 3}
+    assert max(sender["depths"]) == 2 and sender["depths"][:2] == [1, 2]
+    assert sender["wait_s"] > 0.3
+    assert sender["codes"] == {"1": NOTICE_STOP}
+
+
+# ------------------------------------------------------------------------------------------ end-to-end runs
+
+
+def cli(recipe: Path, nproc: int, *, env: dict[str, str] | None = None) -> subprocess.Popen:
+    full_env = {**os.environ, "PYTHONPATH": str(SRC), "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", **(env or {})}
+    return subprocess.Popen(
+        [sys.executable, "-m", "dflash_trainer", "train", str(recipe), "--nproc", str(nproc)],
+        env=full_env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+
+
+def run_ok(recipe: Path, nproc: int, *, env: dict[str, str] | None = None) -> str:
+    proc = cli(recipe, nproc, env=env)
+    out, _ = proc.communicate(timeout=240)
+    assert proc.returncode == 0, out
+    return out
+
+
+def final_weights(run_dir: Path) -> dict[str, torch.Tensor]:
+    return load_file(str(ckpt.latest_checkpoint(run_dir) / "drafter.safetensors"))
+
+
+def read_metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def assert_same_weights(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
+    assert got.keys() == want.keys()
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], rtol=0, atol=1e-5, msg=name)
+
+
+class Cases:
+    """Data, recipes and cached runs shared by the tests of this module."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.target = save_tiny_target(root / "target")
+        # 40 samples: 6 batches per epoch (no short step with M = 2); 32 samples: 5 (a short last step).
+        self.even = write_counting_shards(root / "even", num_samples=40)
+        self.odd = write_counting_shards(root / "odd", num_samples=32)
+        self._done: dict[str, Path] = {}
+
+    def recipe(self, name: str, shards: Path, *, grad_accum: int, **sections) -> Path:
+        sections.setdefault("train", {"max_steps": STEPS})
+        sections.setdefault("checkpoint", {"every_steps": 3})
+        optim = {"grad_accum": grad_accum, "lr": 3e-3}
+        return write_recipe(self.root / f"{name}.yaml", self.root / name, self.target, shards, optim=optim, **sections)
+
+    def reference(self, shards: Path, grad_accum: int) -> Path:
+        """One process, in this process."""
+        name = f"reference-{shards.name}-{grad_accum}"
+        if name not in self._done:
+            recipe = self.recipe(name, shards, grad_accum=grad_accum)
+            Trainer(load_config(recipe), log=lambda _: None).fit()
+            self._done[name] = self.root / name
+        return self._done[name]
+
+    def disaggregated(self, name: str, shards: Path, *, targets: int, drafters: int, grad_accum: int, **extra):
+        """(run dir, output) of a CLI run with target ranks 0..T-1 and drafter ranks T..T+D-1."""
+        env = extra.pop("env", None)
+        placement = {"target_ranks": list(range(targets)), "drafter_ranks": list(range(targets, targets + drafters))}
+        placement |= extra.pop("placement", {})
+        recipe = self.recipe(name, shards, grad_accum=grad_accum, placement=placement, **extra)
+        out = run_ok(recipe, targets + drafters, env=env)
+        return self.root / name, out
+
+
+@pytest.fixture(scope="module")
+def cases(tmp_path_factory) -> Cases:
+    return Cases(tmp_path_factory.mktemp("disaggregated"))
+
+
+@pytest.fixture(scope="module")
+def slow_two_plus_one(cases):
+    """2 target ranks (rank 0 slowed) + 1 drafter rank, grad_accum 2, split features, window of 2."""
+    metrics = {"log_every": 1, "tensorboard": False, "progress_bar": False, "plot_at_end": False}
+    return cases.disaggregated(
+        "two-plus-one",
+        cases.even,
+        targets=2,
+        drafters=1,
+        grad_accum=2,
+        placement={"split_features": True, "queue_depth": 2},
+        metrics={**metrics, "profile_interval": 0.3},
+        env={"DFLASH_TEST_SLOW_RANK": f"0:{SLOW_S}"},
+    )
+
+
+def test_one_target_one_drafter_equals_one_process(cases):
+    run_dir, _ = cases.disaggregated("one-plus-one", cases.even, targets=1, drafters=1, grad_accum=2)
+    reference = cases.reference(cases.even, grad_accum=2)
+    assert_same_weights(final_weights(run_dir), final_weights(reference))
+    losses = [r["loss"] for r in read_metrics(run_dir)]
+    assert losses == pytest.approx([r["loss"] for r in read_metrics(reference)], abs=1e-5)
+    assert losses[-1] < 0.5 * losses[0], "the weights should have moved"
+
+
+def test_one_target_two_drafters_equals_one_process_with_a_short_last_step(cases):
+    # 5 batches per epoch and M = 2: the third step of each epoch has one micro-batch, so drafter 2 has none.
+    run_dir, _ = cases.disaggregated("one-plus-two", cases.odd, targets=1, drafters=2, grad_accum=1)
+    reference = cases.reference(cases.odd, grad_accum=2)
+    assert_same_weights(final_weights(run_dir), final_weights(reference))
+    assert [r["loss"] for r in read_metrics(run_dir)] == pytest.approx(
+        [r["loss"] for r in read_metrics(reference)], abs=1e-5
+    )
+
+
+def test_two_targets_one_slow_equal_one_process_and_the_drafter_waits(cases, slow_two_plus_one):
+    run_dir, out = slow_two_plus_one
+    assert_same_weights(final_weights(run_dir), final_weights(cases.reference(cases.even, grad_accum=2)))
+    records = read_metrics(run_dir)
+    # Target rank 0 computes half of the 12 micro-batches, each SLOW_S late: the drafter (rank 2) waits for them.
+    waited = sum(r.get("rank2/recv_wait_s", 0.0) for r in records)
+    assert waited > 0.6 * 6 * SLOW_S, waited
+    assert max(r["idle_drafter"] for r in records) > 0.5
+    # The fast target runs ahead until its window (queue_depth 2) is full, never further.
+    fast = [r["rank1/inflight"] for r in records if "rank1/inflight" in r]
+    assert max(fast) == 2
+    slow = [r["rank0/inflight"] for r in records if "rank0/inflight" in r]
+    assert max(slow) <= 2 and sum(slow) / len(slow) < sum(fast) / len(fast)
+    assert "bottleneck: target-bound" in out
+    assert "target0    target_forward" in out and "drafter2   recv_wait" in out
+
+
+def test_sigterm_to_the_launcher_checkpoints_and_resume_equals_the_uninterrupted_run(cases):
+    placement = {"target_ranks": [0], "drafter_ranks": [1]}
+    recipe = cases.recipe("resumed", cases.even, grad_accum=2, placement=placement, checkpoint={"every_steps": 100})
+    run_dir = cases.root / "resumed"
+    # The slowed target makes the run last long enough for the signal to land mid-run.
+    proc = cli(recipe, 2, env={"DFLASH_TEST_SLOW_RANK": f"0:{SLOW_S}"})
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        metrics = run_dir / "metrics.jsonl"
+        if metrics.exists() and len(metrics.read_text().splitlines()) >= 2:
+            break
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=120)
+    interrupted_at = ckpt.latest_checkpoint(run_dir)
+    assert interrupted_at is not None, out
+    stopped_step = int(interrupted_at.name.split("-")[1])
+    assert 2 <= stopped_step < STEPS, out
+    assert f"interrupted at step {stopped_step}" in out
+
+    out = run_ok(recipe, 2)
+    assert f"resumed from {interrupted_at}" in out
+    reference = cases.reference(cases.even, grad_accum=2)
+    assert_same_weights(final_weights(run_dir), final_weights(reference))
+    curve = [(r["step"], r["loss"]) for r in read_metrics(run_dir)]
+    assert [step for step, _ in curve] == list(range(1, STEPS + 1))
+    assert [loss for _, loss in curve] == pytest.approx([r["loss"] for r in read_metrics(reference)], abs=1e-5)
+
+
+def test_disaggregated_checkpoint_resumes_as_colocated_fsdp2_on_other_ranks(cases, slow_two_plus_one):
+    """2 targets + 1 drafter x grad_accum 2 -> 2 colocated ranks with FSDP2 x grad_accum 1: same M = 2."""
+    source, _ = slow_two_plus_one
+    recipe = cases.recipe("as-fsdp2", cases.even, grad_accum=1, placement={"sharding": "fsdp2"})
+    run_dir = cases.root / "as-fsdp2"
+    shutil.copytree(source / "checkpoints" / "step-00000003", run_dir / "checkpoints" / "step-00000003")
+    out = run_ok(recipe, 2)
+    assert "resumed from" in out and "at step 3" in out
+    assert_same_weights(final_weights(run_dir), final_weights(cases.reference(cases.even, grad_accum=2)))
+
+
+def test_resume_with_another_step_size_is_refused_and_the_same_one_continues(cases):
+    source = cases.root / "one-plus-two"  # written by the 1 + 2 test: M = 2 drafter ranks x grad_accum 1
+    if not (source / "checkpoints").is_dir():
+        cases.disaggregated("one-plus-two", cases.odd, targets=1, drafters=2, grad_accum=1)
+    checkpoint = source / "checkpoints" / "step-00000003"
+    refused = load_config(cases.recipe("refused", cases.odd, grad_accum=1, checkpoint={"resume": str(checkpoint)}))
+    with pytest.raises(ResumeError, match=r"2 drafter rank\(s\) x grad_accum 1, 1 target rank\(s\)\); this run has 1"):
+        Trainer(refused, log=lambda _: None).fit()
+    # One process with grad_accum 2 is the same step size: it continues the disaggregated run exactly.
+    same = load_config(cases.recipe("one-process", cases.odd, grad_accum=2, checkpoint={"resume": str(checkpoint)}))
+    summary = Trainer(same, log=lambda _: None).fit()
+    assert summary.steps == STEPS
+    assert_same_weights(final_weights(cases.root / "one-process"), final_weights(cases.reference(cases.odd, 2)))
