@@ -221,3 +221,6 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as error:
         print(f"config error: {error}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt as interrupt:
+        print(f"interrupted ({interrupt or 'SIGINT'}); run the same command again to resume", file=sys.stderr)
+        return 130

@@ -55,6 +55,8 @@ class DrafterConfig:
     attention_backend: Literal["auto", "flex", "sdpa"] = "auto"
     # Start from an exported DFlash checkpoint (directory) instead of random weights.
     init_from: str | None = None
+    # torch.compile each drafter layer on CUDA (fuses norms, RoPE, SwiGLU; ~16% faster steps, less memory).
+    compile: bool = True
 
     def validate(self) -> None:
         _require(self.num_layers >= 1, "drafter.num_layers", "must be >= 1")

@@ -32,13 +32,20 @@ from .config import RunConfig
 
 
 class StopFlag:
-    """Set by SIGINT/SIGTERM; `__call__` tells whether a stop was requested."""
+    """Set by SIGINT/SIGTERM; `__call__` tells whether a stop was requested.
+
+    The flag defers a signal only once the trainer polls it (after each optimizer step). Before that first
+    poll (loading the target, regenerating and tokenising data) nobody would ever look at it, so a signal
+    interrupts at once with KeyboardInterrupt; those stages resume by themselves when the command is rerun.
+    """
 
     def __init__(self) -> None:
         self.requested = False
         self.signal_name: str | None = None
+        self.polled = False
 
     def __call__(self) -> bool:
+        self.polled = True
         return self.requested
 
     def install(self) -> StopFlag:
@@ -48,6 +55,8 @@ class StopFlag:
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         name = signal.Signals(signum).name
+        if not self.polled:
+            raise KeyboardInterrupt(f"{name} before training started")
         if self.requested:
             print(f"{name} again: exiting without a checkpoint", file=sys.stderr, flush=True)
             os._exit(130)

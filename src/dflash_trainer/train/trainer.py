@@ -40,7 +40,7 @@ from ..target.capture import (
     embedding_module,
     lm_head_module,
 )
-from ..target.loader import LoadedTarget, find_spare_mask_token_id, load_target
+from ..target.loader import LoadedTarget, find_spare_mask_token_id, load_target, resolve_device
 from . import checkpoint as ckpt
 from .batch import TrainBatch
 from .data_setup import load_training_data, plan_to_batch
@@ -97,12 +97,6 @@ def drafter_model_config(config: RunConfig, target: LoadedTarget) -> DrafterMode
     )
 
 
-def _single_device(requested: str) -> str:
-    if requested == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    return requested
-
-
 @dataclass
 class StepWork:
     """The micro-batches of one optimizer step on this rank."""
@@ -127,7 +121,7 @@ class Trainer:
     ) -> None:
         self.config = config
         self.should_stop = should_stop
-        self.world = world or World(device=torch.device(_single_device(config.target.device)))
+        self.world = world or World(device=resolve_device(config.target.device))
         self.group, self.group_size, self.is_main = self._sync_group()
         self.log = log if self.is_main else (lambda _: None)
         self.run_dir = Path(config.run_dir)
@@ -237,6 +231,8 @@ class Trainer:
             self.model_config = self.drafter.config
         else:
             self.drafter = DFlashDrafter(self.model_config).to(self.device)  # fp32 master weights
+        if self.config.drafter.compile and self.device.type == "cuda":
+            self.drafter.compile_layers()
         self.sync = make_sync(
             self.drafter,
             sharding=self.config.placement.sharding,
