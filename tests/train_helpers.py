@@ -48,7 +48,13 @@ def save_tiny_target(out_dir: Path, *, hybrid: bool = False, seed: int = 0) -> P
     vocab = {f"w{i}": i for i in range(VOCAB - 3)} | {"<pad>": VOCAB - 3, "<eos>": VOCAB - 2, "<mask>": MASK_TOKEN}
     tokenizer = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<pad>"))
     tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    PreTrainedTokenizerFast(tokenizer_object=tokenizer, pad_token="<pad>", eos_token="<eos>").save_pretrained(out_dir)
+    # A template that renders any chat as words of the vocabulary, so prompt sets can be evaluated.
+    template = (
+        "{% for m in messages %}w1 {{ m['content'] }} <eos> {% endfor %}{% if add_generation_prompt %}w2{% endif %}"
+    )
+    PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer, pad_token="<pad>", eos_token="<eos>", chat_template=template
+    ).save_pretrained(out_dir)
     return out_dir
 
 
