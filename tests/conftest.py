@@ -6,7 +6,11 @@ forward pass on a few dozen tokens takes milliseconds on a CPU.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
+
+# Tests never reach a model hub; set before transformers / huggingface_hub read it at import.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import pytest
 import torch

@@ -215,6 +215,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    # Weights and data come from local files and installed packages; never reach for a model hub unless the
+    # user explicitly allows it (HF_HUB_OFFLINE=0).
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
     args = build_parser().parse_args(argv)
     try:
         return args.run(args)
