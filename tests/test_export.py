@@ -22,6 +22,7 @@ from dflash_trainer.export import (
 )
 from dflash_trainer.model.config import DrafterModelConfig
 from dflash_trainer.model.drafter import DFlashDrafter
+from model_helpers import tiny_drafter_config
 
 # What z-lab's DFlashDraftModel, vLLM's qwen3_dflash and SGLang read from config.json.
 REFERENCE_LOADER_KEYS = [
@@ -65,23 +66,18 @@ LAYER_TENSORS = [
 
 
 def drafter_config(**overrides) -> DrafterModelConfig:
+    """The shared tiny config, with settings an export must carry over (3 layers, non-default rope)."""
     values = dict(
-        hidden_size=32,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
-        intermediate_size=64,
         num_hidden_layers=3,
         vocab_size=96,
         target_layer_ids=[1, 3, 5],
         num_target_layers=8,
-        block_size=4,
         mask_token_id=95,
         rope_parameters={"rope_type": "default", "rope_theta": 5e5},
         max_position_embeddings=1024,
     )
     values.update(overrides)
-    return DrafterModelConfig(**values)
+    return tiny_drafter_config(**values)
 
 
 def random_drafter(config: DrafterModelConfig | None = None, seed: int = 0) -> DFlashDrafter:
