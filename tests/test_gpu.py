@@ -63,3 +63,24 @@ def test_compiled_flex_matches_dense_sdpa_forward_and_backward(sliding):
     grad_error = float((flat - ref_flat).norm() / ref_flat.norm())
     assert out_error < 5e-3, out_error
     assert grad_error < 2e-2, grad_error
+
+
+def test_training_loop_on_gpu_with_bf16_flex_and_compiled_layers(tmp_path):
+    """The real `fit` loop on CUDA: bf16 autocast over fp32 master weights, flex attention, compiled layers,
+    fused AdamW, checkpoint; the loss must fall as on the CPU."""
+    import json
+
+    from dflash_trainer.config import load_config
+    from dflash_trainer.train.trainer import Trainer
+    from train_helpers import save_tiny_target, write_counting_shards, write_recipe
+
+    target = save_tiny_target(tmp_path / "target")
+    shards = write_counting_shards(tmp_path / "shards")
+    recipe = write_recipe(tmp_path / "r.yaml", tmp_path / "run", target, shards, train={"max_steps": 30})
+    config = load_config(recipe, ["target.device=cuda"])
+    trainer = Trainer(config, log=lambda _: None)
+    assert trainer.backend == "flex" and trainer.autocast_dtype == torch.bfloat16
+    summary = trainer.fit()
+    losses = [json.loads(line)["loss"] for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert summary.steps == 30
+    assert sum(losses[-3:]) / 3 < 0.5 * sum(losses[:3]) / 3, losses
