@@ -179,7 +179,6 @@ class EvalConfig:
     num_prompts: int = 8
     max_new_tokens: int = 64
     temperature: float = 0.0
-    batch_size: int = 1
     # Run an evaluation after training ends (used by the main command).
     at_end: bool = False
 
