@@ -28,9 +28,8 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from .config import RunConfig, load_config
 from .data.shards import ShardWriter
-from .model.loss import LossMetrics
 from .target.loader import LoadedTarget
-from .train.metrics import Throughput, measured_peak_flops
+from .train.metrics import measured_peak_flops
 from .train.trainer import Trainer
 
 QWEN3_8B = dict(
@@ -169,11 +168,7 @@ def run_bench(
         config = bench_config(recipe, overrides, shards, Path(tmp) / "run")
         target = random_target(device, dtype, architecture)
         trainer = Trainer(config, target=target, log=print)
-        # The per-window counters `fit` sets up before its loop.
-        trainer.throughput = Throughput()
-        trainer.window_metrics = LossMetrics.zeros(trainer.model_config.block_size, device=device)
-        trainer.window_blocks = 0
-        trainer.window_steps = 0
+        trainer.start_log_window()
         plans = list(trainer.sampler)
         batches = [trainer._make_batch(plan) for plan in plans]
         print(

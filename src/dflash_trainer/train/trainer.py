@@ -268,6 +268,16 @@ class Trainer:
 
     # ------------------------------------------------------------------------------------------------ loop
 
+    def start_log_window(self) -> None:
+        """Counters of the current log interval; `fit` (and `bench`, which drives steps itself) start them."""
+        self.throughput = Throughput()
+        self._reset_window_counters()
+
+    def _reset_window_counters(self) -> None:
+        self.window_metrics = LossMetrics.zeros(self.model_config.block_size, device=self.device)
+        self.window_blocks = 0
+        self.window_steps = 0
+
     def fit(self) -> TrainSummary:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         resumed_from = self.maybe_resume()
@@ -280,10 +290,7 @@ class Trainer:
         self.progress = Progress(
             self.total_steps, initial=self.step, enabled=self.config.metrics.progress_bar and self.is_main
         )
-        self.throughput = Throughput()
-        self.window_metrics = LossMetrics.zeros(self.model_config.block_size, device=self.device)
-        self.window_blocks = 0
-        self.window_steps = 0
+        self.start_log_window()
         last_checkpoint, interrupted, last_values = resumed_from, False, {}
         self.log(
             f"training {self.total_steps} steps on {self.device} | target {self.target.name} | drafter "
@@ -510,9 +517,7 @@ class Trainer:
         if self.is_main:
             self.progress.write(format_console_line(self.step, self.total_steps, values))
         self.rank_report.on_log_step(self.step, self._received_profiles(), last=self.step == self.total_steps)
-        self.window_metrics = LossMetrics.zeros(self.model_config.block_size, device=self.device)
-        self.window_blocks = 0
-        self.window_steps = 0
+        self._reset_window_counters()
         return values
 
     def _periodic_eval(self) -> None:
