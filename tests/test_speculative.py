@@ -472,6 +472,18 @@ def test_evaluate_writes_report_table_and_histogram(chat_target, prompt_file, tm
     steps = sum(data.accepted_histogram)
     assert steps == data.new_tokens - 3  # one decoding forward per token after each prompt's first, or fewer
     assert data.tau == pytest.approx((data.new_tokens - 3) / steps)
+    per_prompt = [
+        speculative_generate(
+            chat_target.model,
+            drafter,
+            encode_prompt(chat_target.tokenizer, prompt, chat_target.device),
+            max_new_tokens=16,
+            stop_token_ids=[2],
+        ).tau
+        for prompt in load_prompt_set(str(prompt_file))
+    ]
+    assert data.tau_per_prompt == pytest.approx(sum(per_prompt) / 3)
+    assert data.batch_rows == 3 and report.complete
     assert data.baseline_tokens_per_s > 0 and data.speculative_tokens_per_s > 0
     assert data.speedup == pytest.approx(data.speculative_tokens_per_s / data.baseline_tokens_per_s)
 
@@ -545,3 +557,32 @@ def test_quick_tau_matches_the_decoding_loop(chat_target, prompt_file):
     lengths = [length for r in results for length in r.accepted_lengths]
     assert tau == pytest.approx(sum(lengths) / len(lengths))
     assert quick_tau(chat_target, drafter, datasets=[str(prompt_file)], num_prompts=3, max_new_tokens=10) == tau
+
+
+def test_finished_datasets_survive_a_later_failure(chat_target, tmp_path, monkeypatch):
+    paths = [tmp_path / "first.jsonl", tmp_path / "second.jsonl"]
+    for path in paths:
+        path.write_text("".join(json.dumps({"id": f"p{i}", "prompt": f"w{i} w3"}) + "\n" for i in range(2)))
+    runs = []
+    real_run = SpeculativeDecoder.run
+
+    def fail_on_second_dataset(self):
+        runs.append(self)
+        if len(runs) == 3:  # the warm-up, the first dataset, then the second one
+            raise RuntimeError("device lost")
+        return real_run(self)
+
+    monkeypatch.setattr(SpeculativeDecoder, "run", fail_on_second_dataset)
+    with pytest.raises(RuntimeError, match="device lost"):
+        evaluate(
+            chat_target,
+            chat_drafter(chat_target),
+            [str(path) for path in paths],
+            num_prompts=2,
+            max_new_tokens=6,
+            out_dir=tmp_path / "eval",
+            progress=False,
+        )
+    report = json.loads((tmp_path / "eval" / "eval.json").read_text())
+    assert report["complete"] is False and [data["name"] for data in report["datasets"]] == [str(paths[0])]
+    assert report["datasets"][0]["exact_matches"] == 2

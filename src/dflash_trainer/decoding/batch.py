@@ -70,6 +70,9 @@ class RequestQueue:
             raise ValueError(f"request {request.key!r}: empty prompt")
         heapq.heappush(self._heap, (len(request.prompt), next(self._order), request))
 
+    def longest_prompt(self) -> int:
+        return max((length for length, _, _ in self._heap), default=0)
+
     def pop(self, count: int) -> list[Request]:
         return [heapq.heappop(self._heap)[2] for _ in range(min(count, len(self._heap)))]
 
@@ -250,6 +253,7 @@ class BatchDecoder:
     @torch.inference_mode()
     def generate(self, queue: RequestQueue) -> Iterator[Completion]:
         """Decode every request in `queue` (including ones pushed while this runs); yields as rows finish."""
+        self._ensure_capacity(queue.longest_prompt() + self.max_new_tokens)
         while True:
             self._refill(queue)
             occupied = [row for row, request in enumerate(self._row_request) if request is not None]

@@ -58,14 +58,17 @@ def regeneration_records(source: str, limit: int | None) -> str | list[dict]:
 def regenerated_chats(source: str, target: LoadedTarget, out_dir: Path, config: RunConfig) -> list[Path]:
     from ..target.regenerate import regenerate
 
-    regenerate(
+    summary = regenerate(
         regeneration_records(source, config.prepare.limit),
         target,
         out_dir,
         max_new_tokens=config.prepare.max_new_tokens,
         batch_size=config.prepare.regenerate_batch_size,
         limit=config.prepare.limit,
+        # A prompt longer than a training sample may be could never be trained on.
+        max_prompt_tokens=config.data.max_seq_len,
     )
+    print(summary.format())
     return sorted(out_dir.glob("regen-*.jsonl"))
 
 
@@ -164,13 +167,15 @@ def _run_training(config: RunConfig, world: World, should_stop: Callable[[], boo
     export_drafter(drafter, export_dir)
     if config.eval.at_end:
         from ..eval.runner import evaluate
+        from ..export import import_drafter
 
         # Disaggregated drafter ranks hold no decoder layers: load the whole target for the evaluation.
         target = target or load_config_target(config, device=str(world.device))
-        drafter.eval()
+        # Evaluate what users serve: the exported file, read back in the target's dtype.
+        exported = import_drafter(export_dir, device=target.device, dtype=target.dtype)
         report = evaluate(
             target,
-            drafter,
+            exported,
             config.eval.datasets,
             num_prompts=config.eval.num_prompts,
             max_new_tokens=config.eval.max_new_tokens,
@@ -290,6 +295,7 @@ def eval_command(
     dtype: str,
 ) -> None:
     from ..eval.runner import evaluate
+    from ..export import cast_keeping_rope_fp32
 
     drafter, source = load_drafter_any(drafter_path)
     if target is None:
@@ -300,7 +306,8 @@ def eval_command(
 
         target = config_from_dict(yaml.safe_load(config_file.read_text())).target.name_or_path
     loaded = load_target(target, dtype=dtype)
-    drafter = drafter.to(loaded.device).eval()
+    # In the target's dtype, as a server runs it (RoPE frequencies stay float32).
+    drafter = cast_keeping_rope_fp32(drafter.to(loaded.device), loaded.dtype).eval()
     report = evaluate(
         loaded,
         drafter,
