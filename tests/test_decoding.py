@@ -137,13 +137,27 @@ def test_continuous_batching_equals_generate(name):
         assert decoder.stats.prefills >= 3  # rows were refilled
 
 
-def test_cache_grows_for_long_prompts():
+def test_cache_grows_under_a_running_row():
+    """A long follow-up prompt arrives while another row is mid-reply: the cache grows (contents copied) and
+    every reply still equals `generate`."""
     model = build_target("qwen3")
-    decoder = BatchDecoder(TargetRunner(model), rows=2, max_new_tokens=8, stop_token_ids=[], max_len=16)
-    prompts = [[1, 2, 3], list(range(1, 60)) * 3]
-    got = _decode(decoder, [Request(i, p) for i, p in enumerate(prompts)])
-    assert decoder.stats.max_len_growths and decoder.cache.max_len >= len(prompts[1]) + 8
-    assert [got[i][0] for i in range(2)] == [_hf_greedy(model, p, 8, []) for p in prompts]
+    short, other, long = [1, 2, 3], [4, 5, 6, 7], list(range(1, 60)) * 3
+    free_running = [_hf_greedy(model, p, 8, []) for p in (other, long)]
+    first = _hf_greedy(model, short, 8, [])
+    stop = next(t for t in first[1:5] if all(t not in r for r in free_running))  # ends `short` early
+    decoder = BatchDecoder(TargetRunner(model), rows=2, max_new_tokens=8, stop_token_ids=[stop])
+    queue = RequestQueue([Request("short", short), Request("other", other)])
+    got = {}
+    for completion in decoder.generate(queue):
+        got[completion.key] = completion.tokens
+        if completion.key == "short":
+            queue.push(Request("long", long))
+    assert decoder.stats.max_len_growths and decoder.cache.max_len >= len(long) + 8
+    assert got == {
+        "short": _hf_greedy(model, short, 8, [stop]),
+        "other": free_running[0],
+        "long": free_running[1],
+    }
 
 
 def test_sampling_depends_only_on_seed_and_token_index():

@@ -168,14 +168,16 @@ class BatchDecoder:
         """Grow the cache to hold `needed` positions per row (rare: copies the cache, recaptures graphs)."""
         if needed <= self.cache.max_len:
             return
-        new_len = self._checked_len(max(needed, self.cache.max_len * 3 // 2))
+        fresh = self.stats.prefills == 0  # nothing cached yet: size it, nothing to copy
+        new_len = self._checked_len(needed if fresh else max(needed, self.cache.max_len * 3 // 2))
         grown = self.runner.new_cache(self.rows, new_len)
-        old_len = self.cache.max_len
-        for old, new in zip((*self.cache.keys, *self.cache.values), (*grown.keys, *grown.values), strict=True):
-            new[:, :, :old_len].copy_(old)
+        if not fresh:
+            old_len = self.cache.max_len
+            for old, new in zip((*self.cache.keys, *self.cache.values), (*grown.keys, *grown.values), strict=True):
+                new[:, :, :old_len].copy_(old)
+            self.stats.max_len_growths.append(new_len)
         self.cache = grown
         self.graphs = StepGraphs(self.device, enabled=self.graphs.enabled)
-        self.stats.max_len_growths.append(new_len)
 
     # ------------------------------------------------------------------------------------------------------
     # The step

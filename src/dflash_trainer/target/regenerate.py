@@ -95,6 +95,8 @@ class RegenerateSummary:
     truncated: int = 0  # of those, cut by max_new_tokens before a stop token
     new_tokens: int = 0
     seconds: float = 0.0
+    # The decoding engine's counters (steps, prefill and decode seconds, cache growths); empty for other engines.
+    decode_stats: dict[str, Any] = field(default_factory=dict)
 
     def format(self) -> str:
         rate = self.new_tokens / self.seconds if self.seconds > 0 else 0.0
@@ -171,10 +173,11 @@ def regenerate(
     for entry in finished.values():
         if entry.dropped is not None:
             summary.dropped[entry.dropped] = summary.dropped.get(entry.dropped, 0) + 1
-    generator = _make_engine(engine, target=target, sampling=sampling, batch_size=batch_size, max_new=max_new_tokens)
-    summary.engine = generator.name
-
     pending = [index for index in range(len(conversations)) if index not in finished]
+    # More rows than conversations would only decode padding: a conversation has one turn in flight at a time.
+    rows = max(1, min(batch_size, len(pending)))
+    generator = _make_engine(engine, target=target, sampling=sampling, batch_size=rows, max_new=max_new_tokens)
+    summary.engine = generator.name
     start_time = time.perf_counter()
     with (
         _Journal(journal_path) as journal,
@@ -203,6 +206,8 @@ def regenerate(
             job.finish(completion, queue)
             bar.set_postfix_str(f"{summary.new_tokens / max(time.perf_counter() - start_time, 1e-9):,.0f} tok/s")
     summary.seconds = time.perf_counter() - start_time
+    if isinstance(generator, _StaticEngine):
+        summary.decode_stats = asdict(generator.decoder.stats)
     summary.records = _write_output(journal_path, out_path / OUTPUT_FILE, num_records=len(conversations))
     _write_json_atomically(out_path / SETTINGS_FILE, {**settings, "complete": True, "summary": asdict(summary)})
     journal_path.unlink()
