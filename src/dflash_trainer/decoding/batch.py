@@ -232,7 +232,8 @@ class BatchDecoder:
 
     def _refill(self, queue: RequestQueue) -> None:
         free = [row for row, request in enumerate(self._row_request) if request is None]
-        if not queue or len(free) < min(self.refill_min, len(queue)):
+        # Wait for more free rows (fewer, larger prefills) unless the waiting requests fit or all rows are free.
+        if not queue or len(free) < min(self.refill_min, len(queue), self.rows):
             return
         start = synchronized_time(self.device)
         newcomers = queue.pop(len(free))
