@@ -23,6 +23,7 @@ from transformers import (
 from decoding_helpers import one_thread, seeded  # noqa: F401 (one_thread: autouse fixture)
 from dflash_trainer.decoding.batch import BatchDecoder, Request, RequestQueue
 from dflash_trainer.decoding.cache import UnsupportedTargetError
+from dflash_trainer.decoding.graphs import StepGraphs
 from dflash_trainer.decoding.sampling import SamplingParams, choose_tokens, seed_key
 from dflash_trainer.decoding.speculative import SpeculativeDecoder
 from dflash_trainer.decoding.target import TargetRunner
@@ -199,6 +200,45 @@ def test_sampler_draws_from_the_softmax_and_respects_top_p():
     assert choose_tokens(logits.expand(1, 4, -1), SamplingParams(), keys, counters[:, :4]).tolist() == [[0] * 4]
 
 
+def test_warm_up_before_capture_changes_nothing(monkeypatch):
+    """A capture first runs the step once (warm-up) and restores the declared state; the replay then runs it
+    again. Everything else the step writes (caches, output buffers) must be rewritten identically, so running
+    every step twice that way on CPU gives the same tokens as running it once."""
+    model = build_target("qwen3-sliding")
+    prompts = [seeded(lambda n=n: torch.randint(0, VOCAB, (n,)).tolist(), n) for n in (3, 9, 5, 14)]
+    sampling = SamplingParams(temperature=1.0, top_p=0.9)
+    config = DrafterModelConfig.from_target(
+        model.config,
+        num_layers=2,
+        block_size=4,
+        mask_token_id=VOCAB - 1,
+        num_target_features=2,
+        sliding_layers=(0,),
+        sliding_window=5,
+    )
+    drafter = seeded(lambda: DFlashDrafter(config).eval(), 0)
+
+    def run_all() -> tuple[dict, list]:
+        decoder = BatchDecoder(TargetRunner(model), rows=2, max_new_tokens=12, stop_token_ids=[5], sampling=sampling)
+        plain = _decode(decoder, [Request(i, p, seed=i) for i, p in enumerate(prompts)])
+        speculative = SpeculativeDecoder(
+            model, drafter, prompts, max_new_tokens=12, stop_token_ids=[5], sampling=sampling, seeds=range(4)
+        ).run()
+        return plain, [(r.output_ids, r.accepted_lengths) for r in speculative.results]
+
+    reference = run_all()
+
+    def warm_up_then_run(self, key, step, state):
+        saved = [tensor.clone() for tensor in state]
+        step()
+        for tensor, value in zip(state, saved, strict=True):
+            tensor.copy_(value)
+        step()
+
+    monkeypatch.setattr(StepGraphs, "run", warm_up_then_run)
+    assert run_all() == reference
+
+
 @pytest.mark.slow
 def test_steps_trace_without_graph_breaks():
     """The decode and verify steps compile as one graph (dynamo, no code generation): no host syncs, no
@@ -226,3 +266,59 @@ def test_steps_trace_without_graph_breaks():
         speculative._prefill()
         torch.compile(partial(speculative._step, 128), backend="eager", fullgraph=True)()
     torch._dynamo.reset()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize(
+    "sampling", [SamplingParams(), SamplingParams(temperature=1.0, top_p=0.9)], ids=["greedy", "top-p"]
+)
+def test_cuda_graph_steps_equal_eager_steps(sampling):
+    """Captured and replayed decode / verify steps (with refills, cache growth and several attended lengths)
+    give exactly the tokens of the same steps run eagerly, in float32 on the GPU."""
+    model = build_target("qwen3-sliding").cuda()
+    prompts = [seeded(lambda n=n: torch.randint(0, VOCAB, (n,)).tolist(), n) for n in (3, 9, 5, 140, 7, 2, 11)]
+
+    def decode(use_graphs: bool) -> tuple[dict, int]:
+        decoder = BatchDecoder(
+            TargetRunner(model),
+            rows=3,
+            max_new_tokens=150,
+            stop_token_ids=[5],
+            sampling=sampling,
+            use_graphs=use_graphs,
+        )
+        got = _decode(decoder, [Request(i, p, seed=i) for i, p in enumerate(prompts)])
+        return got, decoder.graphs.captured
+
+    (eager, _), (graphed, captured) = decode(False), decode(True)
+    assert graphed == eager and captured >= 2
+
+    config = DrafterModelConfig.from_target(
+        model.config,
+        num_layers=2,
+        block_size=4,
+        mask_token_id=VOCAB - 1,
+        num_target_features=2,
+        sliding_layers=(0,),
+        sliding_window=5,
+    )
+    drafter = seeded(lambda: DFlashDrafter(config).cuda().eval(), 0)
+
+    def speculate(use_graphs: bool):
+        decoder = SpeculativeDecoder(
+            model,
+            drafter,
+            prompts,
+            max_new_tokens=150,
+            stop_token_ids=[5],
+            sampling=sampling,
+            seeds=range(len(prompts)),
+            use_graphs=use_graphs,
+        )
+        run = decoder.run()
+        return [(r.output_ids, r.accepted_lengths) for r in run.results], run.graphs_captured
+
+    (eager_spec, _), (graphed_spec, captured_spec) = speculate(False), speculate(True)
+    assert graphed_spec == eager_spec and captured_spec >= 2
+    assert [out for out, _ in eager_spec] == [eager[i][0] for i in range(len(prompts))]

@@ -12,6 +12,8 @@ import torch
 
 from decoding_helpers import one_thread  # noqa: F401 (autouse fixture)
 from dflash_trainer.data.chat import tokenize_conversation
+from dflash_trainer.data.prepare import prepare
+from dflash_trainer.data.shards import load_shards
 from dflash_trainer.decoding.batch import BatchDecoder
 from dflash_trainer.target import regenerate as regen
 from dflash_trainer.target.loader import LoadedTarget, load_target
@@ -186,6 +188,11 @@ def test_a_cut_turn_ends_the_conversation_and_trains_without_end_of_turn(target,
     reply_ids = target.tokenizer(messages[1]["content"], add_special_tokens=False)["input_ids"]
     assert ids[-len(reply_ids) :] == reply_ids and mask[-len(reply_ids) :] == [1] * len(reply_ids)
     assert sum(mask) == len(reply_ids) and target.tokenizer.convert_tokens_to_ids("<|im_end|>") not in ids[-3:]
+    # `prepare` reads the output as it is and writes that sample.
+    prepare([tmp_path / "out" / regen.OUTPUT_FILE], target.tokenizer, target.name, tmp_path / "shards")
+    dataset = load_shards(tmp_path / "shards")
+    assert len(dataset) == 1
+    assert list(dataset[0].input_ids) == ids and list(dataset[0].loss_mask) == mask
 
 
 class _Crash(Exception):
