@@ -15,8 +15,9 @@ the row it sits in, a resume, or how many tokens a verify step covers. Two conse
   token plain sampling would have drawn from the same prefix: its output *equals* plain sampling's output for
   the same seed (not only in distribution), so the lossless check works at any temperature.
 
-The hash is a 32-bit integer mixer (Wellons' lowbias32) evaluated in int64 arithmetic, with a mask to 32 bits
-after every multiplication; it runs on CPU and GPU and inside CUDA graphs. u has 24 bits (exact in float32).
+The hash is a 32-bit integer mixer (xor-shift-multiply, after Wellons' lowbias32) in int64 arithmetic, masked to
+32 bits after every multiplication so nothing overflows; it runs on CPU and GPU and inside CUDA graphs. u has
+24 bits (exact in float32).
 """
 
 from __future__ import annotations
@@ -57,11 +58,13 @@ def derive_seed(*parts: object) -> int:
 
 
 def _mix32(x: Tensor) -> Tensor:
-    """lowbias32 on int64 tensors holding values in [0, 2^32)."""
+    """A 32-bit integer mixer on int64 tensors (any non-negative input; result in [0, 2^32)). The multipliers
+    are odd and below 2^31, so no product of a 32-bit value overflows int64."""
+    x = x & _MASK32
     x = x ^ (x >> 16)
     x = (x * 0x7FEB352D) & _MASK32
     x = x ^ (x >> 15)
-    x = (x * 0x846CA68B) & _MASK32
+    x = (x * 0x5BD1E995) & _MASK32
     return x ^ (x >> 16)
 
 
