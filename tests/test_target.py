@@ -186,6 +186,11 @@ def test_dtype_is_honoured(tiny_target_dir):
     assert {p.dtype for p in target.model.parameters()} == {torch.bfloat16}
 
 
+def test_fp8_needs_a_gpu_with_fp8_tensor_cores(tiny_target_dir):
+    with pytest.raises(TargetLoadError, match=r"target\.fp8 needs a CUDA GPU"):
+        load_target(str(tiny_target_dir), dtype="bfloat16", device="cpu", fp8=True)
+
+
 def test_unknown_target_is_a_clear_error(tmp_path):
     with pytest.raises(TargetLoadError, match="not a built-in name"):
         load_target(str(tmp_path / "nowhere"))
