@@ -33,36 +33,21 @@ import time
 from pathlib import Path
 
 import torch
-from transformers import Qwen3Config, Qwen3ForCausalLM
+from transformers import Qwen3ForCausalLM
 
+from dflash_trainer.bench import QWEN3_8B, random_target
 from dflash_trainer.target.attention import varlen_supported
 from dflash_trainer.target.capture import FeatureCapture
 from dflash_trainer.target.documents import DocumentLayout
 from dflash_trainer.target.fp8 import quantize_decoder_linears
 
-QWEN3_8B = dict(
-    vocab_size=151936,
-    hidden_size=4096,
-    intermediate_size=12288,
-    num_hidden_layers=36,
-    num_attention_heads=32,
-    num_key_value_heads=8,
-    head_dim=128,
-    max_position_embeddings=40960,
-    rope_theta=1_000_000.0,
-    rms_norm_eps=1e-6,
-    tie_word_embeddings=False,
-)
 DOCS = [3072, 3072, 2048]
 TAPS = [1, 9, 17, 25, 33]
 
 
 def build_target(device: torch.device) -> Qwen3ForCausalLM:
-    config = Qwen3Config(**QWEN3_8B, attn_implementation="sdpa")
     torch.manual_seed(0)
-    with torch.device(device):
-        model = Qwen3ForCausalLM(config).to(torch.bfloat16)
-    return model.eval().requires_grad_(False)
+    return random_target(device, torch.bfloat16, QWEN3_8B).model  # the model `dflash-trainer bench` uses
 
 
 def packed_row(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
