@@ -101,16 +101,19 @@ def packed_capture(model, backend: str, monkeypatch, layer_ids, need_final_hidde
     return capture
 
 
-def assert_each_document_alone(capture, packed, input_ids, documents, tol=1e-4):
+def each_document_alone(capture, documents) -> dict[tuple[int, int], object]:
+    """(row, start) -> the capture's outputs for that document run alone, as a row of its own (no doc_ids)."""
+    return {(r, start): capture.capture(tokens[None]) for r, row in enumerate(documents) for start, tokens in row}
+
+
+def assert_equal_to_alone(packed, alone, tol=1e-4):
     """Features (and final hidden state) of every document equal its own run, and padding stays finite."""
     assert torch.isfinite(packed.features).all()
-    for r, row in enumerate(documents):
-        for start, tokens in row:
-            alone = capture.capture(tokens[None])
-            span = slice(start, start + len(tokens))
-            torch.testing.assert_close(packed.features[r, span], alone.features[0], rtol=tol, atol=tol)
-            if packed.final_hidden is not None:
-                torch.testing.assert_close(packed.final_hidden[r, span], alone.final_hidden[0], rtol=tol, atol=tol)
+    for (r, start), outputs in alone.items():
+        span = slice(start, start + outputs.features.shape[1])
+        torch.testing.assert_close(packed.features[r, span], outputs.features[0], rtol=tol, atol=tol)
+        if packed.final_hidden is not None:
+            torch.testing.assert_close(packed.final_hidden[r, span], outputs.final_hidden[0], rtol=tol, atol=tol)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -118,19 +121,20 @@ def assert_each_document_alone(capture, packed, input_ids, documents, tol=1e-4):
 
 
 @pytest.mark.filterwarnings("ignore:.*flex_attention.*:UserWarning")
-@pytest.mark.parametrize("backend", ["dense", "flex", "varlen"])
 @pytest.mark.parametrize("model_name", ["tiny_qwen3", "tiny_llama", "tiny_sliding_qwen3"])
-def test_packed_rows_equal_each_document_alone(model_name, backend, request, monkeypatch):
+def test_packed_rows_equal_each_document_alone(model_name, request, monkeypatch):
     model = request.getfixturevalue(model_name)
-    capture = packed_capture(model, backend, monkeypatch, [1, 4])
-    assert capture.packing_path == "attention"
     input_ids, doc_ids, documents = packed_batch(LENGTHS, WIDTH)
+    alone = each_document_alone(FeatureCapture(model, [1, 4], need_final_hidden=True), documents)
+    for backend in ("dense", "flex", "varlen"):
+        capture = packed_capture(model, backend, monkeypatch, [1, 4])
+        assert capture.packing_path == "attention"
 
-    packed = capture.capture(input_ids, None, doc_ids)
+        packed = capture.capture(input_ids, None, doc_ids)
 
-    assert_each_document_alone(capture, packed, input_ids, documents)
-    # The model's own attention implementation is back for everything else (generation, evaluation).
-    assert model.config._attn_implementation == ("eager" if model_name == "tiny_llama" else "sdpa")
+        assert_equal_to_alone(packed, alone)
+        # The model's own attention implementation is back for everything else (generation, evaluation).
+        assert model.config._attn_implementation == ("eager" if model_name == "tiny_llama" else "sdpa")
 
 
 def test_layout_built_ahead_and_explicit_positions_give_the_same_features(tiny_sliding_qwen3):
@@ -152,7 +156,7 @@ def test_hybrid_packed_rows_equal_each_document_alone(tiny_qwen3_5):
 
     packed = capture.capture(input_ids, None, doc_ids)
 
-    assert_each_document_alone(capture, packed, input_ids, documents)
+    assert_equal_to_alone(packed, each_document_alone(capture, documents))
 
 
 def test_hybrid_packing_without_restart_would_mix_documents(tiny_qwen3_5):

@@ -18,11 +18,12 @@ restart at every document:
 - `per_document`: everything a mask cannot separate: linear-attention (recurrent) layers of hybrids (Qwen3.5/3.6,
   Qwen3-Next), chunked attention, attention sinks, soft-capping, models outside transformers' attention
   interface. Each document runs as a row of its own (`per_document.py`) and its outputs go back to their place.
-  On GPU, transformers' Gated DeltaNet could instead take the packed rows flattened with `cu_seq_lens_q` (it hands
-  them to flash-linear-attention's chunk kernel as `cu_seqlens`, which restarts the state per document), but its
-  short causal convolution only restarts when the separate `causal_conv1d` package is installed and given a
-  `seq_idx`; its torch fallback mixes the last kernel-1 tokens of one document into the next. So that route is not
-  taken; the per-document rows are exact with either set of kernels.
+  On GPU, transformers' (5.17) Gated DeltaNet could instead take the rows flattened into one `[1, R*T]` row with
+  `cu_seq_lens_q` in the forward kwargs: it pops them and hands them to flash-linear-attention's chunk kernel as
+  `cu_seqlens`, which restarts the state per document (its torch fallback drops them silently). But the layer's
+  short causal convolution restarts only with the separate `causal_conv1d` package installed and a `seq_idx` kwarg;
+  its torch fallback ignores both and mixes the last kernel-1 tokens of one document into the next. So that route
+  is not taken; the per-document rows are exact with either set of kernels.
 Rows of one document each (`doc_ids=None`) need neither: causal attention never looks past a row's end padding.
 """
 
