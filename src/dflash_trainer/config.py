@@ -33,6 +33,9 @@ class TargetConfig:
     # Where converted GGUF targets are cached; default ~/.cache/dflash-trainer.
     cache_dir: str | None = None
     attn_implementation: str = "sdpa"
+    # The decoder's linear layers in FP8 for feature capture in training (bf16 target, GPU with FP8 tensor cores);
+    # evaluation and regeneration load the target unquantised.
+    fp8: bool = False
 
 
 @dataclass

@@ -134,6 +134,7 @@ class Trainer:
             device=str(self.device),
             cache_dir=config.target.cache_dir,
             attn_implementation=config.target.attn_implementation,
+            fp8=config.target.fp8,
         )
         self._setup_data()
         self._setup_drafter()
