@@ -170,7 +170,7 @@ def run_bench(
         trainer = Trainer(config, target=target, log=print)
         trainer.start_log_window()
         plans = list(trainer.sampler)
-        batches = [trainer._make_batch(plan) for plan in plans]
+        batches = [trainer.make_batch(plan) for plan in plans]
         print(
             f"bench: {len(batches)} batches, {np.mean([b.num_tokens for b in batches]):.0f} tokens and "
             f"{np.mean([b.num_blocks for b in batches]):.0f} blocks per step, block {trainer.model_config.block_size}, "
