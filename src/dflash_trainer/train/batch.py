@@ -117,7 +117,8 @@ def make_train_batch(
     pad_token_id: int = 0,
     mask_variants: list[MaskVariant] | None = None,
 ) -> TrainBatch:
-    packed = pad_rows(packed, multiple=seq_multiple, pad_token_id=pad_token_id)
+    # Anchors are drawn before the rows are padded: the draw depends on the row length, and padding must not
+    # change which anchors a batch gets.
     anchors, keep = sample_anchors(
         loss_mask=packed.loss_mask,
         doc_ids=packed.doc_ids,
@@ -125,6 +126,7 @@ def make_train_batch(
         generator=anchor_generator(seed, epoch, index),
     )
     anchors, keep = pad_anchors(anchors, keep, multiple=anchor_multiple)
+    packed = pad_rows(packed, multiple=seq_multiple, pad_token_id=pad_token_id)
     labels, valid = block_labels(
         input_ids=packed.input_ids,
         loss_mask=packed.loss_mask,
