@@ -563,6 +563,7 @@ class Trainer:
                     target_hidden=target_hidden,
                     chunk_blocks=loss_config.chunk_blocks,
                     lm_head_bias=getattr(self.lm_head, "bias", None),
+                    compile=loss_config.compile,
                 )
         with self.profiler.stage("backward"):
             (result.loss * scale).backward()
