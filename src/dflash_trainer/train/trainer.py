@@ -238,7 +238,8 @@ class Trainer:
                 if work is None:
                     return
                 with self.profiler.stage("data"):
-                    yield work.to(self.device)
+                    work = work.to(self.device)
+                yield work
         finally:
             prefetcher.close()
 
