@@ -14,6 +14,7 @@ import torch
 from ..config import RunConfig
 from ..data.sampler import BatchPlan, TokenBudgetSampler, collate
 from ..data.shards import TokenDataset, load_shards
+from ..model.attention import MaskVariant
 from ..target.capture import model_supports_packing
 from ..target.loader import LoadedTarget
 from .batch import TrainBatch, make_train_batch
@@ -55,7 +56,21 @@ def load_training_data(
     return TrainingData(dataset=dataset, sampler=sampler, pad_token_id=0 if pad is None else pad)
 
 
-def plan_to_batch(
+# Shape buckets on a GPU: flex attention's 128-token tile for rows, 16 anchors (N*B a multiple of the tile for B=8,
+# 16; of 64 for B=4) for blocks: at most ~1% padded block slots at 512 anchors per document.
+GPU_SEQ_MULTIPLE = 128
+GPU_ANCHOR_MULTIPLE = 16
+
+
+def bucket_multiples(config: RunConfig, device: torch.device) -> tuple[int, int]:
+    """(seq_multiple, anchor_multiple) in force: the configured values, or for 0 the device's default."""
+    on_gpu = device.type == "cuda"
+    seq = config.data.seq_multiple or (GPU_SEQ_MULTIPLE if on_gpu else 1)
+    anchors = config.data.anchor_multiple or (GPU_ANCHOR_MULTIPLE if on_gpu else 1)
+    return seq, anchors
+
+
+def plan_to_host_batch(
     plan: BatchPlan,
     data: TrainingData,
     *,
@@ -63,9 +78,12 @@ def plan_to_batch(
     mask_token_id: int,
     config: RunConfig,
     device: torch.device,
+    mask_variants: list[MaskVariant] | None = None,
 ) -> TrainBatch:
+    """The batch of `plan` on the host, pinned when `device` is a GPU: the data stage's work."""
     packed = collate(data.dataset, plan, data.pad_token_id)
-    batch = make_train_batch(
+    seq_multiple, anchor_multiple = bucket_multiples(config, device)
+    return make_train_batch(
         packed,
         block_size=block_size,
         mask_token_id=mask_token_id,
@@ -75,5 +93,28 @@ def plan_to_batch(
         # The global batch number (batch i goes to rank i % world_size): anchors do not depend on the rank count.
         index=plan.index * data.sampler.world_size + data.sampler.rank,
         pin_memory=device.type == "cuda",
+        seq_multiple=seq_multiple,
+        anchor_multiple=anchor_multiple,
+        pad_token_id=data.pad_token_id,
+        mask_variants=mask_variants,
+    )
+
+
+def plan_to_batch(
+    plan: BatchPlan,
+    data: TrainingData,
+    *,
+    block_size: int,
+    mask_token_id: int,
+    config: RunConfig,
+    device: torch.device,
+) -> TrainBatch:
+    batch = plan_to_host_batch(
+        plan,
+        data,
+        block_size=block_size,
+        mask_token_id=mask_token_id,
+        config=config,
+        device=device,
     )
     return batch.to(device)
