@@ -95,13 +95,6 @@ def packing_path(model: PreTrainedModel) -> PackingPath:
     return "per_document"
 
 
-def model_supports_packing(model: PreTrainedModel) -> bool:
-    """Whether packed rows of `model` keep documents apart: true for every decoder, through one of the two paths
-    (raises TypeError for a model without decoder layers). Data setup asks before packing."""
-    packing_path(model)
-    return True
-
-
 class FeatureCapture:
     """Runs the target on token rows and returns the outputs of `layer_ids`, concatenated on the last dim.
 

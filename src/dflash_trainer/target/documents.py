@@ -69,6 +69,13 @@ class DocumentLayout:
             layout._cu_seqlens = _cu_seqlens(boundaries, device)
         return layout
 
+    @classmethod
+    def from_device_doc_ids(cls, doc_ids: Tensor, boundaries: tuple[int, ...]) -> DocumentLayout:
+        """The layout of device `doc_ids [R, T]` whose host `boundaries` were computed ahead (`host_boundaries` on
+        the host copy, in the batch builder): segment ids are computed on the device, nothing waits on it."""
+        segment_ids = (segment_starts(doc_ids).flatten().cumsum(0, dtype=torch.int32) - 1).view(doc_ids.shape)
+        return cls(segment_ids, boundaries)
+
     @property
     def rows(self) -> int:
         return self.segment_ids.shape[0]
@@ -109,6 +116,11 @@ class DocumentLayout:
     def positions(self) -> Tensor:
         """`[R, T]` int64 positions restarting at every segment (the default position ids of packed rows)."""
         return positions_within_documents(self.segment_ids)
+
+
+def host_boundaries(doc_ids: Tensor) -> tuple[int, ...]:
+    """The segment boundaries of host `doc_ids [R, T]` over the flattened tokens (see `DocumentLayout`)."""
+    return _boundaries_from_starts(segment_starts(doc_ids).flatten())
 
 
 def _boundaries_from_starts(starts: Tensor) -> tuple[int, ...]:

@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from ..data.sampler import PackedBatch
 from ..model.anchors import block_input_ids, block_labels, block_positions, sample_anchors
 from ..model.attention import MaskVariant, TileTables, mask_tables
+from ..target.documents import host_boundaries
 
 
 @dataclass
@@ -45,6 +46,9 @@ class TrainBatch:
     packed: bool
     # Flex tile tables per mask variant, prepared with the batch; None: the step builds them from the anchors.
     mask_tables: dict[MaskVariant, TileTables] | None = None
+    # Host segment boundaries of the packed rows (`target/documents.py`), computed with the batch so that the
+    # target's variable-length attention needs no device-to-host copy in the step; None when not packed.
+    segment_boundaries: tuple[int, ...] | None = None
 
     def to(self, device: torch.device) -> TrainBatch:
         """Non-blocking copies (asynchronous from pinned memory, ordered on the current stream)."""
@@ -140,6 +144,7 @@ def make_train_batch(
         tables = mask_tables(
             anchors=anchors, anchor_keep=keep, doc_ids=packed.doc_ids, block_size=block_size, variants=mask_variants
         )
+    is_packed = bool((packed.doc_ids > 0).any())  # CPU tensor: no device sync
     batch = TrainBatch(
         input_ids=packed.input_ids,
         position_ids=packed.position_ids,
@@ -155,7 +160,8 @@ def make_train_batch(
         sample_ids=packed.sample_ids,
         num_tokens=packed.num_tokens,
         num_blocks=int(keep.sum()),  # CPU tensor: no device sync
-        packed=bool((packed.doc_ids > 0).any()),
+        packed=is_packed,
         mask_tables=tables,
+        segment_boundaries=host_boundaries(packed.doc_ids) if is_packed else None,
     )
     return batch.pin_memory() if pin_memory else batch

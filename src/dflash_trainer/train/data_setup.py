@@ -6,7 +6,6 @@ that both sides of a transfer build the same batch list from the same settings.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -15,7 +14,6 @@ from ..config import RunConfig
 from ..data.sampler import BatchPlan, TokenBudgetSampler, collate
 from ..data.shards import TokenDataset, load_shards
 from ..model.attention import MaskVariant
-from ..target.capture import model_supports_packing
 from ..target.loader import LoadedTarget
 from .batch import TrainBatch, make_train_batch
 
@@ -27,9 +25,7 @@ class TrainingData:
     pad_token_id: int
 
 
-def load_training_data(
-    config: RunConfig, target: LoadedTarget, *, rank: int, world_size: int, log: Callable[[str], object]
-) -> TrainingData:
+def load_training_data(config: RunConfig, target: LoadedTarget, *, rank: int, world_size: int) -> TrainingData:
     """The shards of `data.train_shards` and a sampler dealing their batches to `rank` of `world_size`."""
     data = config.data
     if not data.train_shards:
@@ -37,11 +33,8 @@ def load_training_data(
     dataset = load_shards(
         data.train_shards, vocab_size=target.config.vocab_size, max_seq_len=data.max_seq_len, overlong=data.overlong
     )
+    # Every target keeps packed documents apart (target/capture.py: attention masks or one document per row).
     packing = data.packing
-    if packing and not model_supports_packing(target.model):
-        # Linear-attention (recurrent) layers would carry state across packed documents.
-        log(f"data.packing: {type(target.model).__name__} cannot keep packed documents apart; one per row")
-        packing = False
     sampler = TokenBudgetSampler(
         dataset.lengths,
         token_budget=data.token_budget,

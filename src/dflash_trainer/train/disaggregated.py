@@ -301,7 +301,7 @@ class TargetWorker:
         self.should_stop = should_stop
         self.faults = FaultInjection.from_env(world.rank)
         # The global batch list, as the drafters see it.
-        self.data: TrainingData = load_training_data(config, target, rank=0, world_size=1, log=lambda _: None)
+        self.data: TrainingData = load_training_data(config, target, rank=0, world_size=1)
         self.batches_per_step = roles.num_drafters * config.optim.grad_accum
         self.sender = FeatureSender(
             queue_depth=config.placement.queue_depth,

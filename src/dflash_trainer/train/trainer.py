@@ -60,6 +60,7 @@ from ..target.capture import (
     embedding_module,
     lm_head_module,
 )
+from ..target.documents import DocumentLayout
 from ..target.loader import LoadedTarget, find_spare_mask_token_id, load_target, resolve_device
 from . import checkpoint as ckpt
 from .batch import TrainBatch
@@ -281,7 +282,7 @@ class Trainer:
 
     def _setup_data(self) -> None:
         rank, world_size, self.sampler_step_batches = self._sampler_shard()
-        self.data = load_training_data(self.config, self.target, rank=rank, world_size=world_size, log=self.log)
+        self.data = load_training_data(self.config, self.target, rank=rank, world_size=world_size)
         self.dataset, self.sampler = self.data.dataset, self.data.sampler
         # Global micro-batches per optimizer step (what a resume must keep, see train/schedule.py).
         self.batches_per_step = self.group_size * self.config.optim.grad_accum
@@ -510,8 +511,12 @@ class Trainer:
         if outputs is None:
             with self.profiler.stage("target_forward"):
                 # Rows of one document need no document mask, which keeps SDPA on its flash kernel.
-                doc_ids = batch.doc_ids if batch.packed else None
-                outputs = self.capture.capture(batch.input_ids, batch.position_ids, doc_ids)
+                doc_ids, layout = None, None
+                if batch.packed:
+                    doc_ids = batch.doc_ids
+                    if batch.segment_boundaries is not None:
+                        layout = DocumentLayout.from_device_doc_ids(batch.doc_ids, batch.segment_boundaries)
+                outputs = self.capture.capture(batch.input_ids, batch.position_ids, doc_ids, documents=layout)
         with self.profiler.stage("feature_pack"):
             features = self._noisy(outputs.features)
             with torch.no_grad():
