@@ -155,6 +155,7 @@ def test_build_mixture_removes_duplicates_and_evaluation_overlaps_and_counts_the
     first, second = summary.rows
     assert (first.loaded, first.duplicates, dict(first.evaluation_overlap), first.final) == (3, 1, {"gsm8k": 1}, 1)
     assert (second.loaded, second.duplicates, dict(second.evaluation_overlap)) == (40, 1, {"humaneval": 1})
+    assert second.final_by_task == {"b": 38}
     table = summary.format()
     assert "prompt mixture 'fake': 39 prompts" in table
     assert re.search(r"second\s+40\s+1\s+0\s+0\s+1\s+38", table)
@@ -351,14 +352,18 @@ def test_chitchat_prompt_is_the_conversation_up_to_the_third_user_turn(tmp_path)
 
 def test_cache_round_trip_and_key(tmp_path):
     prompts, summary = _fake_build()
-    path = tmp_path / "fake-abc.jsonl.gz"
-    stale = tmp_path / "fake-old.jsonl.gz"
-    stale.write_bytes(b"old build")
+    path = tmp_path / "fake-0123456789abcdef.jsonl.gz"
+    stale = tmp_path / "fake-fedcba9876543210.jsonl.gz"
+    other_mixture = tmp_path / "fake-code-fedcba9876543210.jsonl.gz"
+    for old in (stale, other_mixture):
+        old.write_bytes(b"old build")
     mixture.write_cache(path, prompts, summary)
     assert not stale.exists()
+    assert other_mixture.exists()
     cached_prompts, cached_summary = mixture.read_cache(path)
     assert cached_prompts == prompts
     assert cached_summary.format() == summary.format()
+    assert cached_summary.format_tasks() == summary.format_tasks()
     path.write_bytes(gzip.compress(b'{"summary": {}}\n'))
     assert mixture.read_cache(path) is None  # unreadable: built again
 

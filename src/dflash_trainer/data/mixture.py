@@ -38,14 +38,14 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .sources.base import MAX_PROMPT_CHARS, Caps, Prompt, Tally
+from .sources.base import MAX_PROMPT_CHARS, Caps, Prompt, Tally, task_of
 from .sources.benchmarks import EVALUATION_SETS, evaluation_texts
 
 # A word: letters and digits, with a trailing + or # kept so that C, C++ and C# stay apart.
 _WORD = re.compile(r"[^\W_]+[+#]*")
 CACHE_ENV = "DFLASH_TRAINER_CACHE"
 # Bump when the cache file layout changes.
-_CACHE_FORMAT = 1
+_CACHE_FORMAT = 2
 
 
 def normalize_text(text: str) -> str:
@@ -86,6 +86,7 @@ class ShareCount:
     duplicates: int = 0
     evaluation_overlap: Counter[str] = field(default_factory=Counter)  # evaluation set -> prompts removed
     final: int = 0
+    final_by_task: Counter[str] = field(default_factory=Counter)  # sub-task (`task_of`) -> prompts in the mixture
 
 
 @dataclass
@@ -128,11 +129,23 @@ class MixtureSummary:
         dropped = ["dropped by the sources before mixing:", *notes] if notes else []
         return "\n".join([f"prompt mixture {self.name!r}: {self.total:,} prompts", *table, *dropped])
 
+    def format_tasks(self) -> str:
+        """Prompts in the mixture per source and sub-task, largest first."""
+        lines = [f"prompt mixture {self.name!r} by sub-task (source, sub-task, prompts in the mixture):"]
+        for row in self.rows:
+            lines.extend(f"  {row.set_name:15} {task:45} {n:>7,}" for task, n in row.final_by_task.most_common())
+        return "\n".join(lines)
+
     def to_json(self) -> dict:
         return {
             "name": self.name,
             "rows": [
-                {**dataclasses.asdict(row), "evaluation_overlap": dict(row.evaluation_overlap)} for row in self.rows
+                {
+                    **dataclasses.asdict(row),
+                    "evaluation_overlap": dict(row.evaluation_overlap),
+                    "final_by_task": dict(row.final_by_task),
+                }
+                for row in self.rows
             ],
             "kept": [[src, task, n] for (src, task), n in sorted(self.tally.kept.items())],
             "dropped": [[src, task, reason, n] for (src, task, reason), n in sorted(self.tally.dropped.items())],
@@ -148,6 +161,7 @@ class MixtureSummary:
                 duplicates=row["duplicates"],
                 evaluation_overlap=Counter(row["evaluation_overlap"]),
                 final=row["final"],
+                final_by_task=Counter(row["final_by_task"]),
             )
             for row in data["rows"]
         ]
@@ -252,6 +266,7 @@ def build_mixture(
                 continue
             seen.add(normalized)
             row.final += 1
+            row.final_by_task[task_of(prompt.id)] += 1
             kept.append(prompt)
     random.Random(f"{spec.seed}:{spec.name}:order").shuffle(kept)
     return kept, MixtureSummary(spec.name, rows, tally)
@@ -278,8 +293,9 @@ def cache_key(spec: MixtureSpec, package_versions: dict[str, str | None], code_f
 def write_cache(path: Path, prompts: list[Prompt], summary: MixtureSummary) -> None:
     """Write the mixture to `path` atomically, removing older builds of the same mixture beside it."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    for stale in path.parent.glob(f"{summary.name}-*.jsonl.gz"):
-        if stale != path:
+    own_builds = re.compile(rf"{re.escape(summary.name)}-[0-9a-f]{{16}}\.jsonl\.gz")
+    for stale in path.parent.iterdir():
+        if stale != path and own_builds.fullmatch(stale.name):
             stale.unlink(missing_ok=True)
     tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
     with gzip.open(tmp, "wt", encoding="utf-8", compresslevel=1) as f:

@@ -233,6 +233,11 @@ def load_mixture(name: str, *, log: Callable[[str], object] = print) -> tuple[li
         # Every package must be there before a long build starts (each raises naming what to install).
         for builtin in [*shares, *evaluation]:
             builtin.package.directory(builtin.name)
+            if versions[builtin.package.package] != builtin.package.version:
+                log(
+                    f"warning: {builtin.package.package} {versions[builtin.package.package]} is installed, "
+                    f"{builtin.package.version} is pinned: {spec.name!r} will differ from the README's"
+                )
         log(f"building prompt mixture {spec.name!r} (cached in {path})")
         cached = mixture.build_mixture(spec, _load_builtin, lambda n, split: load_prompt_set(n, split))
         mixture.write_cache(path, *cached)
@@ -280,6 +285,7 @@ def main(argv: list[str] | None = None) -> None:
         prog="python -m dflash_trainer.data.prompts", description="List prompt sets, or summarise a mixture."
     )
     parser.add_argument("name", nargs="?", help=f"a mixture ({', '.join(MIXTURES)}) to build or load and summarise")
+    parser.add_argument("--tasks", action="store_true", help="also list the prompts per source and sub-task")
     args = parser.parse_args(argv)
     if args.name is None:
         for name, description in list_prompt_sets().items():
@@ -291,6 +297,8 @@ def main(argv: list[str] | None = None) -> None:
     prompts, summary = load_mixture(args.name, log=lambda line: (logged.append(line), print(line)))
     if summary.format() not in logged:
         print(summary.format())  # loaded from the cache: the build's summary was not printed this time
+    if args.tasks:
+        print(summary.format_tasks())
     if len(prompts) != summary.total:
         print(f"{args.name}: the first {len(prompts):,} of them")
 

@@ -160,6 +160,12 @@ def field_str(record: object, key: str, path: Path, line_no: int) -> str:
     return record[key]
 
 
+def task_of(prompt_id: str) -> str:
+    """The sub-task of a `<source>:<task>:<index>` id; other ids (`gsm8k-12`, `chitchat:<uuid>`) have one, `all`."""
+    parts = prompt_id.split(":")
+    return parts[1] if len(parts) >= 3 else "all"
+
+
 def user_prompt(prompt_id: str, content: str, reference: str | None = None) -> Prompt:
     return Prompt(id=prompt_id, messages=[{"role": "user", "content": content}], reference=reference)
 
