@@ -36,6 +36,7 @@ counters travel in the headers, so they lag the drafters' by up to a window.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import time
 from collections.abc import Callable, Iterator
@@ -46,7 +47,7 @@ import torch
 import torch.distributed as dist
 
 from ..config import RunConfig
-from ..data.sampler import BatchPlan
+from ..data.sampler import BatchPlan, TokenBudgetSampler
 from ..distributed.failure import FaultInjection
 from ..distributed.roles import Roles, assign_roles
 from ..distributed.transport import (
@@ -64,7 +65,7 @@ from ..target.loader import LoadedTarget, load_target, quantize_target_to_fp8, r
 from .batch import TrainBatch
 from .data_setup import TrainingData, load_training_data, plan_to_batch
 from .profiler import StageProfiler, StageSummary
-from .rank_report import merge_summaries
+from .rank_report import PipelineDepth, merge_summaries, pipeline_line
 from .schedule import RunIndex, drafter_slot, step_groups, target_slot
 from .trainer import StepWork, Trainer, TrainSummary
 
@@ -97,6 +98,28 @@ def _stats_window(old: dict[str, float] | None, new: dict[str, float]) -> dict[s
     return {key: value - (old or {}).get(key, 0.0) for key, value in new.items()}
 
 
+def drafter_schedule(
+    sampler: TokenBudgetSampler,
+    *,
+    epochs: int,
+    batches_per_step: int,
+    first_step: int,
+    total_steps: int,
+    slot: int,
+    num_drafters: int,
+    target_ranks: tuple[int, ...],
+) -> Iterator[tuple[int, list[tuple[BatchPlan, int]]]]:
+    """Per optimizer step from the sampler's position (step `first_step`) to `total_steps`: (the step's
+    micro-batch count over all drafters, [(plan, target rank that computes it)] of drafter `slot`'s share)."""
+    run_index = RunIndex(sampler)
+    groups = step_groups(sampler, epochs=epochs, micro_batches_per_step=batches_per_step)
+    # The step range comes first: zip stops on it without taking (and consuming) a group past `total_steps`.
+    for _, plans in zip(range(first_step, total_steps), groups, strict=False):
+        mine = [plan for position, plan in enumerate(plans) if drafter_slot(position, num_drafters) == slot]
+        targets = [target_ranks[target_slot(run_index(p.epoch, p.index), len(target_ranks))] for p in mine]
+        yield len(plans), list(zip(mine, targets, strict=True))
+
+
 class DrafterTrainer(Trainer):
     """A drafter rank: the trainer loop, with features received from target ranks and the drafter group."""
 
@@ -117,12 +140,20 @@ class DrafterTrainer(Trainer):
             )
         self.roles = roles
         self.receiver = FeatureReceiver(
-            header_group=roles.header_group, payload_group=roles.payload_group, device=world.device
+            sources=list(roles.target_ranks),
+            queue_depth=config.placement.queue_depth,
+            header_group=roles.header_group,
+            payload_group=roles.payload_group,
+            device=world.device,
+            timeout_s=config.placement.timeout_s,
         )
         self._target_stop_requested = False
         self._target_stats: dict[int, dict[str, float]] = {}
         self._target_profiles: dict[str, StageSummary] = {}
         self._logged_stats: dict[str, dict[str, float]] = {}
+        # Over the logged windows of the run, for `pipeline_summary`: role -> [wait seconds, wall seconds].
+        self._run_waits: dict[str, list[float]] = {"target": [0.0, 0.0], "drafter": [0.0, 0.0]}
+        self._run_depth = PipelineDepth(queue_depth=config.placement.queue_depth)
         self._started = time.perf_counter()
         super().__init__(config, should_stop=should_stop, log=log, target=target, world=world)
         outer_stop = self.should_stop
@@ -159,39 +190,48 @@ class DrafterTrainer(Trainer):
 
     def _step_groups(self) -> Iterator[StepWork]:
         self._announce_start()
-        batches_per_step = self.sampler_step_batches
-        slot, drafters = self.roles.slot, self.roles.num_drafters
-        run_index = RunIndex(self.sampler)
-        for plans in step_groups(
-            self.sampler, epochs=self.config.train.epochs, micro_batches_per_step=batches_per_step
-        ):
-            if self.step >= self.total_steps:  # train.max_steps: the targets send nothing past it
-                return
+        # The receive thread walks the same schedule on a copy of the sampler (this one's position is what a
+        # checkpoint saves, so only the consumer may advance it).
+        order = (source for _, work in self._my_steps(copy.copy(self.sampler)) for _, source in work)
+        self.receiver.start(order)
+        for step_size, work in self._my_steps(self.sampler):
             batches, outputs = [], []
-            for position in range(slot, len(plans), drafters):
-                plan = plans[position]
-                source = self.roles.target_ranks[target_slot(run_index(plan.epoch, plan.index), self.roles.num_targets)]
+            for plan, source in work:
                 with self.profiler.stage("recv_wait"):
                     received = self.receiver.recv(source)
                 batch, target_outputs = self._accept(received, source=source, plan=plan)
                 batches.append(batch)
                 outputs.append(target_outputs)
-            yield StepWork(batches=batches, outputs=outputs, loss_scale=1.0 / len(plans))
+            yield StepWork(batches=batches, outputs=outputs, loss_scale=1.0 / step_size)
+
+    def _my_steps(self, sampler: TokenBudgetSampler) -> Iterator[tuple[int, list[tuple[BatchPlan, int]]]]:
+        return drafter_schedule(
+            sampler,
+            epochs=self.config.train.epochs,
+            batches_per_step=self.sampler_step_batches,
+            first_step=self.step,
+            total_steps=self.total_steps,
+            slot=self.roles.slot,
+            num_drafters=self.roles.num_drafters,
+            target_ranks=self.roles.target_ranks,
+        )
 
     def _end_of_data(self, *, interrupted: bool) -> None:
         notices = send_notices(
             list(self.roles.target_ranks), NOTICE_STOP if interrupted else NOTICE_DONE, self.roles.header_group
         )
-        dropped = sum(self.receiver.drain(rank) for rank in self.roles.target_ranks)
+        dropped = self.receiver.drain()
         notices.wait()
         if dropped:
             self.log(f"dropped {dropped} feature batch(es) sent ahead for steps that will not run")
+        summary = self.pipeline_summary() if self.is_main else None
+        if summary:
+            self.log(summary)
 
     def _placement_log_values(self, steps: int) -> dict[str, float]:
-        local = {
-            "drafters": {self.world.rank: {"wait_s": self.receiver.stats.wait_s, "wall_s": self._wall()}},
-            "targets": self._target_stats,
-        }
+        stats = self.receiver.settle()
+        mine = {"wait_s": stats.wait_s, "wall_s": self._wall(), "takes": stats.received, "ahead_sum": stats.ahead_sum}
+        local = {"drafters": {self.world.rank: mine}, "targets": self._target_stats}
         gathered: list[dict | None] = [local]
         if self.group_size > 1:
             gathered = [None] * self.group_size
@@ -211,32 +251,53 @@ class DrafterTrainer(Trainer):
     def _transport_metrics(
         self, drafters: dict[int, dict[str, float]], targets: dict[int, dict[str, float]], *, steps: int
     ) -> dict[str, float]:
-        """Per-rank and mean waiting metrics since the last log step, from cumulative counters."""
+        """Per-rank and mean waiting metrics since the last log step, from cumulative counters; the window's
+        depth counters also go to the profile report and the run's totals."""
         values: dict[str, float] = {}
         idle: dict[str, list[float]] = {"drafter": [], "target": []}
         waits: dict[str, list[float]] = {"drafter": [], "target": []}
-        inflight_sum = sends = 0.0
+        depth = PipelineDepth(queue_depth=self.config.placement.queue_depth)
         for role, ranks in (("drafter", drafters), ("target", targets)):
             for rank, stats in sorted(ranks.items()):
                 delta = _stats_window(self._logged_stats.get(f"{role}{rank}"), stats)
                 if delta["wall_s"] <= 0:  # no header from this target since the last log step
                     continue
                 self._logged_stats[f"{role}{rank}"] = stats
+                self._run_waits[role][0] += delta["wait_s"]
+                self._run_waits[role][1] += delta["wall_s"]
                 idle[role].append(delta["wait_s"] / delta["wall_s"])
                 waits[role].append(delta["wait_s"] / steps)
                 values[f"rank{rank}/idle"] = idle[role][-1]
                 values[f"rank{rank}/{'recv' if role == 'drafter' else 'send'}_wait_s"] = waits[role][-1]
                 if role == "target" and delta["sends"] > 0:
                     values[f"rank{rank}/inflight"] = delta["inflight_sum"] / delta["sends"]
-                    inflight_sum += delta["inflight_sum"]
-                    sends += delta["sends"]
+                    depth.sends += int(delta["sends"])
+                    depth.inflight_sum += int(delta["inflight_sum"])
+                if role == "drafter" and delta["takes"] > 0:
+                    values[f"rank{rank}/ahead"] = delta["ahead_sum"] / delta["takes"]
+                    depth.takes += int(delta["takes"])
+                    depth.ahead_sum += int(delta["ahead_sum"])
         for role, name in (("drafter", "recv"), ("target", "send")):
             if idle[role]:
                 values[f"idle_{role}"] = sum(idle[role]) / len(idle[role])
                 values[f"wait_{name}_s"] = sum(waits[role]) / len(waits[role])
-        if sends:
-            values["inflight"] = inflight_sum / sends
+        if depth.sends:
+            values["inflight"] = depth.inflight
+        if depth.takes:
+            values["ahead"] = depth.ahead
+        self._run_depth.add(depth)
+        self.rank_report.add_pipeline_depth(depth)
         return values
+
+    def pipeline_summary(self) -> str | None:
+        """Main rank: the verdict over every logged window of the run (None when nothing was logged)."""
+        (target_wait, target_wall), (drafter_wait, drafter_wall) = self._run_waits["target"], self._run_waits["drafter"]
+        if not (target_wall and drafter_wall):
+            return None
+        line = pipeline_line(
+            target_idle=target_wait / target_wall, drafter_idle=drafter_wait / drafter_wall, depth=self._run_depth
+        )
+        return f"pipeline over the run: {line}"
 
     def _received_profiles(self) -> dict[str, StageSummary]:
         profiles, self._target_profiles = self._target_profiles, {}
@@ -396,8 +457,10 @@ class TargetWorker:
             },
         }
         if self.profiler.enabled:
-            # This rank's stages since its previous header; the receiving drafter adds them to the report.
-            meta["profile"] = {stage: list(stats) for stage, stats in self.profiler.summary().items()}
+            # This rank's stages since its previous header, and the time that covers (the header reaches the
+            # report later, by up to the window and the drafter's receive queue); the drafter adds them.
+            summary = self.profiler.summary(covered=True)
+            meta["profile"] = {stage: list(stats) for stage, stats in summary.items()}
             self.profiler.reset()
         with self.profiler.stage("send"):
             self.sender.send(destination, meta=meta, tensors=tensors)
