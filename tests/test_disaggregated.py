@@ -47,6 +47,7 @@ from dflash_trainer.train.schedule import (
     target_slot,
 )
 from dflash_trainer.train.trainer import Trainer
+from test_failure import LIMIT_S, assert_every_rank_failed, run_failing
 from train_helpers import save_tiny_target, write_counting_shards, write_recipe
 
 SRC = Path(__file__).resolve().parents[1] / "src"
@@ -390,3 +391,31 @@ def test_resume_with_another_step_size_is_refused_and_the_same_one_continues(cas
     summary = Trainer(same, log=lambda _: None).fit()
     assert summary.steps == STEPS
     assert_same_weights(final_weights(cases.root / "one-process"), final_weights(cases.reference(cases.odd, 2)))
+
+
+@pytest.mark.slow
+def test_five_targets_three_drafters_a_killed_target_fails_every_rank_and_the_same_command_resumes(cases):
+    """The seed system's layout on gloo (8 processes): a target rank killed mid-run, while the drafters hold
+    receives posted ahead for it, fails all 8 ranks within LIMIT_S; the same command then resumes from the last
+    checkpoint and ends exactly where one process with grad_accum 3 does."""
+    placement = {"target_ranks": [0, 1, 2, 3, 4], "drafter_ranks": [5, 6, 7]}
+    recipe = cases.recipe(
+        "five-plus-three", cases.even, grad_accum=1, placement=placement, checkpoint={"every_steps": 2}
+    )
+    # Target 2 computes run-wide batches 2, 7, 12 (steps 1, 3, 5): it dies starting its batch of step 5.
+    out, seconds, status = run_failing(recipe, 8, "2:4:kill", "rank 2 kills itself")
+    assert status != 0
+    assert seconds < LIMIT_S, out
+    assert_every_rank_failed(out, 8)
+    assert "exitcode  : -9" in out
+    run_dir = cases.root / "five-plus-three"
+    interrupted_at = ckpt.latest_checkpoint(run_dir)
+    assert interrupted_at is not None and int(interrupted_at.name.split("-")[1]) in (2, 4), out
+
+    out = run_ok(recipe, 8)
+    assert f"resumed from {interrupted_at}" in out, out
+    reference = cases.reference(cases.even, grad_accum=3)
+    assert_same_weights(final_weights(run_dir), final_weights(reference))
+    records = read_metrics(run_dir)
+    assert [r["step"] for r in records] == list(range(1, STEPS + 1))
+    assert [r["loss"] for r in records] == pytest.approx([r["loss"] for r in read_metrics(reference)], abs=1e-5)
