@@ -341,6 +341,8 @@ class FeatureReceiver:
         dropped = 0
         while not self._finished:
             arrival, _ = self._take()
+            for work in arrival.works:
+                work.wait()  # NCCL: the buffers are not handed back to the allocator mid-transfer
             dropped += arrival.message is not None
         if self._thread is not None:
             self._thread.join(self.timeout_s)
