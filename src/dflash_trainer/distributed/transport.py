@@ -265,6 +265,12 @@ class FeatureReceiver:
     already matched while the consumer computes, and at most `queue_depth` feature batches wait here.
 
     Receives are posted in one fixed order (the schedule's) by one thread, so matching is deterministic.
+
+    Streams (CUDA): the thread allocates and posts on the device's default stream, the consumer's own, so the
+    buffers never change allocator stream and no `record_stream` bookkeeping is needed (the seed system's copy on
+    a second stream raced). The cost: NCCL starts a posted receive once the compute queued before it has run,
+    which leaves the transfer itself (one batch's features: a few hundred MB, about a millisecond over NVLink)
+    outside the overlap, while everything the receiver used to wait for (the sender's pace, the matching) is not.
     """
 
     def __init__(
