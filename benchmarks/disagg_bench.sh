@@ -29,7 +29,7 @@ for layout in one ddp disagg; do
   echo "=== $layout ($nproc GPU(s))"
   timeout 150 python3 -m torch.distributed.run --standalone --nproc-per-node "$nproc" \
     benchmarks/disagg_bench.py run --layout "$layout" --settings "$SETTINGS" --data-dir "$DATA" \
-    --result-dir "$OUT" "${EXTRA[@]}" > "$OUT/$layout.log" 2>&1
+    --result-dir "$OUT" ${EXTRA[@]+"${EXTRA[@]}"} > "$OUT/$layout.log" 2>&1
   status=$?
   grep -E "^(step |bottleneck|pipeline over)" "$OUT/$layout.log" | cut -c1-200 | tail -6
   if [ "$status" != 0 ]; then echo "$layout: exit status $status (log: $OUT/$layout.log)"; tail -20 "$OUT/$layout.log"; fi
