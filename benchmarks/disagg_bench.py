@@ -3,9 +3,9 @@ short training runs (`train.max_steps`) of the trainer on synthetic shards. Driv
 
 Settings (random targets built on the device, so no weights are needed):
 - `smollm2`: a SmolLM2-135M-shaped Llama (hidden 576, 30 layers, 9 heads, 3 kv heads, intermediate 1536, vocab
-  49152) with the GPU recipe's batch shape (recipes/smollm2-135m-gpu.yaml: 16384-token batches of rows up to 1024
-  tokens, block 16, 5 drafter layers, up to 512 anchors per document); documents of 512 and 256 tokens, the first
-  quarter of each a prompt without loss (GSM8K answers are about three quarters of a document);
+  49152) with the GPU recipe's batch shape (recipes/bench-smollm2.yaml: 16384-token batches of rows up to 1024
+  tokens, block 16, 5 drafter layers, up to 512 anchors per document) on bench.py's GSM8K-like documents (150-700
+  tokens, the first 20-45% an unsupervised prompt);
 - `paper`: recipes/bench-qwen3-8b.yaml (a Qwen3-8B-shaped target, packed 8192-token rows of 3072 + 3072 + 2048);
 - `tiny`: a 12-layer toy for checking this script on CPU (gloo).
 
@@ -34,9 +34,16 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from dflash_trainer.bench import QWEN3_8B, random_target
+from dflash_trainer.bench import (
+    QWEN3_8B,
+    SMOLLM2_135M,
+    Setting,
+    paper_documents,
+    random_target,
+    smollm2_documents,
+    write_synthetic_shards,
+)
 from dflash_trainer.config import load_config
-from dflash_trainer.data.shards import ShardWriter
 from dflash_trainer.distributed.failure import FailureChannel
 from dflash_trainer.distributed.roles import assign_roles
 from dflash_trainer.distributed.world import World, init_world, shutdown_world
@@ -45,18 +52,6 @@ from dflash_trainer.train.rank_report import pipeline_verdict
 from dflash_trainer.train.trainer import Trainer
 
 REPO = Path(__file__).resolve().parents[1]
-SMOLLM2_135M = dict(
-    model_type="llama",
-    vocab_size=49152,
-    hidden_size=576,
-    intermediate_size=1536,
-    num_hidden_layers=30,
-    num_attention_heads=9,
-    num_key_value_heads=3,
-    max_position_embeddings=8192,
-    rope_parameters={"rope_type": "default", "rope_theta": 100000.0},
-    tie_word_embeddings=True,
-)
 TINY = dict(
     model_type="llama",
     vocab_size=512,
@@ -70,12 +65,17 @@ TINY = dict(
 )
 
 
+def tiny_documents(rng: np.random.Generator) -> list[tuple[int, int]]:
+    return [(int(length), int(length) // 4) for length in rng.integers(24, 120, size=6)]
+
+
 @dataclass(frozen=True)
-class Setting:
+class Run:
+    """A setting of this benchmark: recipe, the target's shape and documents (bench.py's), run length."""
+
     recipe: str
-    architecture: dict
-    doc_lens: tuple[int, ...]
-    # Documents of `doc_lens` per group; groups are shuffled and packed into rows by the sampler.
+    setting: Setting
+    # Document lists to write (bench.py packs each into about one row or one step's worth).
     groups: int
     steps: int
     log_every: int
@@ -84,30 +84,27 @@ class Setting:
     overrides: tuple[str, ...] = ()
 
 
-SETTINGS = {
-    "smollm2": Setting(
-        recipe="recipes/smollm2-135m-gpu.yaml",
-        architecture=SMOLLM2_135M,
-        doc_lens=(512, 256, 256),
-        groups=1200,
+RUNS = {
+    "smollm2": Run(
+        recipe="recipes/bench-smollm2.yaml",
+        setting=Setting(SMOLLM2_135M, smollm2_documents),
+        groups=64,
         steps=24,
         log_every=4,
         skip=2,
     ),
-    "paper": Setting(
+    "paper": Run(
         recipe="recipes/bench-qwen3-8b.yaml",
-        architecture=QWEN3_8B,
-        doc_lens=(3072, 3072, 2048),
+        setting=Setting(QWEN3_8B, paper_documents),
         groups=40,
         steps=14,
         log_every=2,
         skip=3,
     ),
-    "tiny": Setting(
-        recipe="recipes/smollm2-135m-gpu.yaml",
-        architecture=TINY,
-        doc_lens=(64, 32, 32),
-        groups=200,
+    "tiny": Run(
+        recipe="recipes/bench-smollm2.yaml",
+        setting=Setting(TINY, tiny_documents),
+        groups=80,
         steps=6,
         log_every=2,
         skip=1,
@@ -117,32 +114,21 @@ SETTINGS = {
 LAYOUT_GPUS = {"one": 1, "ddp": 2, "disagg": 2}
 
 
-def write_shards(out_dir: Path, setting: Setting, seed: int = 0) -> Path:
-    """Random tokens; the first quarter of every document is a prompt (no loss), the rest a response."""
-    if (out_dir / "manifest.json").is_file():
-        return out_dir
-    vocab = setting.architecture["vocab_size"]
-    rng = np.random.default_rng(seed)
-    with ShardWriter(out_dir, tokenizer_name="synthetic", vocab_size=vocab) as writer:
-        for group in range(setting.groups):
-            for d, length in enumerate(setting.doc_lens):
-                ids = rng.integers(32, vocab - vocab // 16, size=length)  # clear of the mask token and the top rows
-                mask = np.ones(length, dtype=np.uint8)
-                mask[: length // 4] = 0
-                writer.add(f"g{group}-d{d}", ids, mask)
+def write_shards(out_dir: Path, run: Run) -> Path:
+    if not (out_dir / "manifest.json").is_file():
+        vocab = run.setting.architecture["vocab_size"]
+        write_synthetic_shards(out_dir, setting=run.setting, groups=run.groups, vocab=vocab)
     return out_dir
 
 
-def run_config(
-    setting: Setting, *, layout: str, shards: Path, run_dir: Path, device: torch.device, compile_layers: bool
-):
+def run_config(run: Run, *, layout: str, shards: Path, run_dir: Path, device: torch.device, compile_layers: bool):
     overrides = [
         f"data.train_shards={shards}",
         f"run_dir={run_dir}",
         f"target.device={device.type}",
-        f"train.max_steps={setting.steps}",
+        f"train.max_steps={run.steps}",
         "train.epochs=1",
-        f"metrics.log_every={setting.log_every}",
+        f"metrics.log_every={run.log_every}",
         "metrics.tensorboard=false",
         "metrics.progress_bar=false",
         "metrics.plot_at_end=false",
@@ -150,21 +136,23 @@ def run_config(
         "checkpoint.resume=none",
         "eval.every_steps=0",
         "eval.at_end=false",
+        # Eager by default: compiling the drafter layers and the loss costs each run half a minute more.
         f"drafter.compile={str(device.type == 'cuda' and compile_layers).lower()}",
-        *setting.overrides,
+        f"loss.compile={str(device.type == 'cuda' and compile_layers).lower()}",
+        *run.overrides,
     ]
     if layout == "disagg":
         overrides += ["placement.target_ranks=[0]", "placement.drafter_ranks=[1]"]
-    return load_config(REPO / setting.recipe, overrides)
+    return load_config(REPO / run.recipe, overrides)
 
 
 def run_one(
-    name: str, setting: Setting, *, layout: str, world: World, data_dir: Path, result_dir: Path, compile_layers: bool
+    name: str, run: Run, *, layout: str, world: World, data_dir: Path, result_dir: Path, compile_layers: bool
 ) -> None:
-    """One training run of `setting` in `layout`; the logging rank writes the result JSON."""
+    """One training run of `run` in `layout`; the logging rank writes the result JSON."""
     run_dir = Path(tempfile.mkdtemp(prefix=f"disagg-bench-{layout}-{name}-"))
     config = run_config(
-        setting,
+        run,
         layout=layout,
         shards=data_dir / name,
         run_dir=run_dir,
@@ -173,7 +161,7 @@ def run_one(
     )
     dtype = torch.bfloat16 if world.device.type == "cuda" else torch.float32
     torch.manual_seed(0)  # the same random target on every rank
-    target = random_target(world.device, dtype, setting.architecture)
+    target = random_target(world.device, dtype, run.setting.architecture)
     trainer = None
     if layout == "disagg":
         roles = assign_roles(world, config.placement)
@@ -186,7 +174,7 @@ def run_one(
     if trainer is not None:
         trainer.fit()
         if trainer.is_main:
-            result = summarize(run_dir / "metrics.jsonl", setting, layout=layout, name=name)
+            result = summarize(run_dir / "metrics.jsonl", run, layout=layout, name=name)
             (result_dir / f"{layout}-{name}.json").write_text(json.dumps(result, indent=2))
             print("result " + json.dumps(result), flush=True)
     del trainer, target
@@ -201,9 +189,9 @@ def _mean(records: list[dict], key: str) -> float | None:
     return sum(values) / len(values) if values else None
 
 
-def summarize(metrics: Path, setting: Setting, *, layout: str, name: str) -> dict:
+def summarize(metrics: Path, run: Run, *, layout: str, name: str) -> dict:
     records = [json.loads(line) for line in metrics.read_text().splitlines()]
-    kept = records[setting.skip :] or records[-1:]
+    kept = records[run.skip :] or records[-1:]
     result = {
         "setting": name,
         "layout": layout,
@@ -258,12 +246,16 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--layout", choices=list(LAYOUT_GPUS))
     parser.add_argument("--data-dir", type=Path, default=Path("/tmp/disagg_bench_data"))
     parser.add_argument("--result-dir", type=Path, default=Path("/tmp/disagg_bench"))
-    parser.add_argument("--compile", action="store_true", help="compile the drafter layers (slower start)")
+    parser.add_argument(
+        "--compile",
+        action="store_true",
+        help="compile the drafter layers and the loss, as the recipes do (slower start)",
+    )
     args = parser.parse_args(argv)
     names = args.settings.split(",")
     if args.command == "prepare":
         for name in names:
-            write_shards(args.data_dir / name, SETTINGS[name])
+            write_shards(args.data_dir / name, RUNS[name])
         return 0
     if args.command == "table":
         print(table(args.result_dir))
@@ -279,7 +271,7 @@ def main(argv: list[str]) -> int:
         for name in names:
             run_one(
                 name,
-                SETTINGS[name],
+                RUNS[name],
                 layout=args.layout,
                 world=world,
                 data_dir=args.data_dir,

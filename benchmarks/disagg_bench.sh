@@ -5,7 +5,7 @@
 #
 # Usage on the 2-GPU machine, from the repo root:  bash benchmarks/disagg_bench.sh   (about 4 minutes)
 #   SETTINGS=smollm2      only one setting (default smollm2,paper)
-#   COMPILE=1             compile the drafter layers as the recipes do (adds about 20 s per run)
+#   COMPILE=1             compile the drafter layers and the loss as the recipes do (about 30 s more per run)
 #   DFLASH_PROFILE_INTERVAL=10   also print the per-stage profile with its verdict (slows the steps)
 # Prints one table; JSON per run and summary.json under $OUT (default /tmp/disagg_bench).
 set -u

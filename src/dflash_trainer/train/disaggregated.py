@@ -12,26 +12,39 @@ The number of target ranks changes nothing but speed.
 
 Schedule and messages. Every rank derives the schedule from the same sampler (one global view, world size 1)
 and the start position the first drafter rank broadcasts once (after its resume). A target walks the steps in
-order and computes only its own micro-batches, sending each (header, then tensors: `distributed/transport.py`)
-to its drafter, at most `placement.queue_depth` outstanding per drafter. A drafter receives its micro-batches
-in the same order; the header's step, epoch and batch index are checked against the schedule. Since both sides
-follow one global order and a sender only ever waits on its own oldest message, nobody waits in a cycle.
+order and computes only its own micro-batches (their host batches made ahead on a prefetch worker,
+`data.prefetch_steps` steps of its share), sending each (header, then tensors: `distributed/transport.py`) to
+its drafter without blocking, at most `placement.queue_depth` outstanding per drafter. A drafter receives its
+micro-batches in the same order, ahead of use on a receive thread that walks the schedule on a copy of the
+sampler (`drafter_schedule`), at most `queue_depth` received ahead; the header's step, epoch and batch index are
+checked against the schedule. Deadlock freedom: every sender posts and every receiver receives in one global
+order, a sender only waits on its own oldest message and a receive thread only on its consumer; the earliest
+message not yet received has been posted (its sender waits only on earlier, received ones), and its receiver's
+queue holds only messages of steps its drafter has yet to train, which the drafters' per-step all-reduce cannot
+hold up, as every message of the current step is earlier still and so received.
 
 End and stop. The end of the data (or train.max_steps) is known to all from the schedule. A stop (SIGINT /
 SIGTERM, possibly reaching only some ranks: a target passes its request on in its next header) is agreed by the
 drafters in their per-step all-reduce; they then send every target a notice, and each target, seeing it before
 its next batch, sends END after what it already posted. The drafters drain every target up to its END (dropping
-batches of steps that will not run), drafter rank 0 writes the checkpoint, and all ranks exit.
+batches of steps that will not run), drafter rank 0 writes the checkpoint, and all ranks exit. A rank that dies
+fails the job (`distributed/failure.py`): a receive thread blocked on it gets the broken connection's error and
+its drafter raises it; the process then exits without waiting for anything posted.
 
 Memory. Drafter ranks keep only the target's embedding and LM head: the target is loaded on the CPU (in the
 dtype the target ranks use), those two modules move to the drafter's device, and the decoder layers are
-dropped. Target ranks never build a drafter.
+dropped. Target ranks never build a drafter. Feature batches at once, at most: on a target rank, the one being
+computed plus `queue_depth` per drafter (sent, not yet received); on a drafter rank, the micro-batches of the
+step it trains plus `queue_depth` received ahead.
 
-Metrics (per rank, logged by drafter rank 0): `rank{r}/idle` (fraction of wall time waiting: a drafter for
-features, a target for room in its window), `rank{r}/recv_wait_s` (drafter) or `rank{r}/send_wait_s` (target):
-seconds of that per optimizer step, `rank{r}/inflight` (target: mean messages outstanding to a drafter right
-after a send), and the means `idle_target`, `idle_drafter`, `wait_send_s`, `wait_recv_s`, `inflight`. Target
-counters travel in the headers, so they lag the drafters' by up to a window.
+Metrics (per rank, logged by drafter rank 0): `rank{r}/idle` (fraction of wall time waiting on the other role:
+a drafter for features, a target blocked on a full window), `rank{r}/recv_wait_s` (drafter) or
+`rank{r}/send_wait_s` (target): seconds of that per optimizer step, `rank{r}/inflight` (target: mean messages
+outstanding to a drafter right after a send), `rank{r}/ahead` (drafter: mean batches already received when it
+asked for one), and the means `idle_target`, `idle_drafter`, `wait_send_s`, `wait_recv_s`, `inflight`, `ahead`.
+Target counters travel in the headers, so they lag the drafters' by up to a window and a receive queue. The
+verdict (`train/rank_report.py`) names the role the other waits for; drafter rank 0 prints it for the whole run
+at the end, and per interval in the stage profile.
 """
 
 from __future__ import annotations
@@ -63,7 +76,8 @@ from ..distributed.world import World
 from ..target.capture import FeatureCapture, TargetOutputs, decoder_module, embedding_module, lm_head_module
 from ..target.loader import LoadedTarget, load_target, quantize_target_to_fp8, resolve_dtype
 from .batch import TrainBatch
-from .data_setup import TrainingData, load_training_data, plan_to_batch
+from .data_setup import TrainingData, load_training_data, plan_to_host_batch
+from .prefetch import Prefetcher
 from .profiler import StageProfiler, StageSummary
 from .rank_report import PipelineDepth, merge_summaries, pipeline_line
 from .schedule import RunIndex, drafter_slot, step_groups, target_slot
@@ -390,29 +404,25 @@ class TargetWorker:
         notices = NoticeBoard(
             list(self.roles.drafter_ranks), self.roles.header_group, timeout_s=self.config.placement.timeout_s
         )
-        run_index = RunIndex(self.data.sampler)
-        step, stopped = start["step"], False
-        for plans in step_groups(
-            self.data.sampler, epochs=self.config.train.epochs, micro_batches_per_step=self.batches_per_step
-        ):
-            if stopped or step >= start["total_steps"] or notices.arrived():
-                break
-            for position, plan in enumerate(plans):
-                if target_slot(run_index(plan.epoch, plan.index), self.roles.num_targets) != self.roles.slot:
-                    continue
-                if notices.arrived():
-                    stopped = True
+        # Host batches (collation, anchors, labels, pinned memory) are made ahead on a worker thread.
+        prefetcher = Prefetcher(self._my_batches(start), depth=self._prefetch_depth(), name="dflash-target-prefetch")
+        steps = start["step"]
+        try:
+            for step, position, plan, host_batch in prefetcher:
+                if notices.arrived():  # the drafters ended (a stop): END follows what was sent
                     break
                 self.faults.at_step(step + 1)
-                self._produce(plan, step=step, position=position, capture=capture, start=start)
-            step += 1
+                self._produce(plan, host_batch, step=step, position=position, capture=capture, start=start)
+                steps = step + 1
+        finally:
+            prefetcher.close()
         for rank in self.roles.drafter_ranks:
             self.sender.end(rank)
         self.sender.finish()
         codes = notices.wait_all()
         return TrainSummary(
             run_dir=Path(self.config.run_dir),
-            steps=step,
+            steps=steps,
             interrupted=NOTICE_STOP in codes.values(),
             last_checkpoint=None,
             final_loss=None,
@@ -421,19 +431,45 @@ class TargetWorker:
             data_stats=dataclasses.asdict(self.data.dataset.stats),
         )
 
+    def _my_batches(self, start: dict[str, Any]) -> Iterator[tuple[int, int, BatchPlan, TrainBatch]]:
+        """(step, position in the step, plan, host batch) of every micro-batch this rank computes, in schedule
+        order (runs on the prefetch worker, which alone touches the sampler)."""
+        run_index = RunIndex(self.data.sampler)
+        groups = step_groups(
+            self.data.sampler, epochs=self.config.train.epochs, micro_batches_per_step=self.batches_per_step
+        )
+        # The step range comes first: zip stops on it without taking a group past `total_steps`.
+        for step, plans in zip(range(start["step"], start["total_steps"]), groups, strict=False):
+            for position, plan in enumerate(plans):
+                if target_slot(run_index(plan.epoch, plan.index), self.roles.num_targets) != self.roles.slot:
+                    continue
+                batch = plan_to_host_batch(
+                    plan,
+                    self.data,
+                    block_size=start["block_size"],
+                    mask_token_id=start["mask_token_id"],
+                    config=self.config,
+                    device=self.world.device,
+                )
+                yield step, position, plan, batch
+
+    def _prefetch_depth(self) -> int:
+        """`data.prefetch_steps` optimizer steps of this rank's share of micro-batches (0: made inline)."""
+        share = -(-self.batches_per_step // self.roles.num_targets)
+        return self.config.data.prefetch_steps * share
+
     def _produce(
-        self, plan: BatchPlan, *, step: int, position: int, capture: FeatureCapture, start: dict[str, Any]
+        self,
+        plan: BatchPlan,
+        host_batch: TrainBatch,
+        *,
+        step: int,
+        position: int,
+        capture: FeatureCapture,
+        start: dict[str, Any],
     ) -> None:
-        device = self.world.device
         with self.profiler.stage("data"):
-            batch = plan_to_batch(
-                plan,
-                self.data,
-                block_size=start["block_size"],
-                mask_token_id=start["mask_token_id"],
-                config=self.config,
-                device=device,
-            )
+            batch = host_batch.to(self.world.device)
         with self.profiler.stage("target_forward"):
             doc_ids = batch.doc_ids if batch.packed else None
             outputs = capture.capture(batch.input_ids, batch.position_ids, doc_ids)
