@@ -91,23 +91,3 @@ def plan_to_host_batch(
         pad_token_id=data.pad_token_id,
         mask_variants=mask_variants,
     )
-
-
-def plan_to_batch(
-    plan: BatchPlan,
-    data: TrainingData,
-    *,
-    block_size: int,
-    mask_token_id: int,
-    config: RunConfig,
-    device: torch.device,
-) -> TrainBatch:
-    batch = plan_to_host_batch(
-        plan,
-        data,
-        block_size=block_size,
-        mask_token_id=mask_token_id,
-        config=config,
-        device=device,
-    )
-    return batch.to(device)
