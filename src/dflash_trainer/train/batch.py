@@ -24,7 +24,8 @@ import torch.nn.functional as F
 from ..data.sampler import PackedBatch
 from ..model.anchors import block_input_ids, block_labels, block_positions, sample_anchors
 from ..model.attention import MaskVariant, TileTables, mask_tables
-from ..target.documents import host_boundaries
+from ..target.capture import FeatureCapture, TargetOutputs
+from ..target.documents import DocumentLayout, host_boundaries
 
 
 @dataclass
@@ -61,6 +62,17 @@ class TrainBatch:
                 value = {variant: tables.to(device, non_blocking=True) for variant, tables in value.items()}
             moved[f.name] = value
         return TrainBatch(**moved)
+
+    def capture_target(self, capture: FeatureCapture) -> TargetOutputs:
+        """The target's features for this (device) batch. Packed rows get their document layout from the host
+        boundaries computed with the batch (no device-to-host copy); rows of one document need no document mask,
+        which keeps the target on its plain causal kernel."""
+        doc_ids, layout = None, None
+        if self.packed:
+            doc_ids = self.doc_ids
+            if self.segment_boundaries is not None:
+                layout = DocumentLayout.from_device_doc_ids(self.doc_ids, self.segment_boundaries)
+        return capture.capture(self.input_ids, self.position_ids, doc_ids, documents=layout)
 
     def pin_memory(self) -> TrainBatch:
         pinned = {}

@@ -74,7 +74,6 @@ from ..distributed.transport import (
 )
 from ..distributed.world import World
 from ..target.capture import FeatureCapture, TargetOutputs, decoder_module, embedding_module, lm_head_module
-from ..target.documents import DocumentLayout
 from ..target.loader import LoadedTarget, load_target, quantize_target_to_fp8, resolve_dtype
 from .batch import TrainBatch
 from .data_setup import TrainingData, load_training_data, plan_to_host_batch
@@ -474,14 +473,7 @@ class TargetWorker:
         with self.profiler.stage("data"):
             batch = host_batch.to(self.world.device)
         with self.profiler.stage("target_forward"):
-            # As the colocated trainer does: packed rows get their document layout from the host boundaries
-            # computed with the batch (no device-to-host copy); rows of one document need no mask.
-            doc_ids, layout = None, None
-            if batch.packed:
-                doc_ids = batch.doc_ids
-                if batch.segment_boundaries is not None:
-                    layout = DocumentLayout.from_device_doc_ids(batch.doc_ids, batch.segment_boundaries)
-            outputs = capture.capture(batch.input_ids, batch.position_ids, doc_ids, documents=layout)
+            outputs = batch.capture_target(capture)
         host, tensors = pack_batch(
             batch, outputs, num_features=len(start["layer_ids"]), split=self.config.placement.split_features
         )

@@ -60,7 +60,6 @@ from ..target.capture import (
     embedding_module,
     lm_head_module,
 )
-from ..target.documents import DocumentLayout
 from ..target.loader import LoadedTarget, find_spare_mask_token_id, load_target, resolve_device
 from . import checkpoint as ckpt
 from .batch import TrainBatch
@@ -510,13 +509,7 @@ class Trainer:
     def _forward_backward(self, batch: TrainBatch, outputs: TargetOutputs | None, *, scale: float) -> LossMetrics:
         if outputs is None:
             with self.profiler.stage("target_forward"):
-                # Rows of one document need no document mask, which keeps SDPA on its flash kernel.
-                doc_ids, layout = None, None
-                if batch.packed:
-                    doc_ids = batch.doc_ids
-                    if batch.segment_boundaries is not None:
-                        layout = DocumentLayout.from_device_doc_ids(batch.doc_ids, batch.segment_boundaries)
-                outputs = self.capture.capture(batch.input_ids, batch.position_ids, doc_ids, documents=layout)
+                outputs = batch.capture_target(self.capture)
         with self.profiler.stage("feature_pack"):
             features = self._noisy(outputs.features)
             with torch.no_grad():
