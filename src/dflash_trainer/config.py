@@ -18,8 +18,10 @@ from typing import Any, Literal, get_args, get_origin
 
 import yaml
 
+from .errors import UserError
 
-class ConfigError(ValueError):
+
+class ConfigError(UserError, ValueError):
     """A recipe or override names an unknown key or gives a value of the wrong type or range."""
 
 
@@ -51,6 +53,10 @@ class DrafterConfig:
     sliding_window: int | None = None
     # Serving engines differ on this (vLLM treats sliding layers of z-lab checkpoints as causal in-block).
     sliding_causal_in_block: bool = False
+    # Sliding layers are trained with the window anchored at the block start; vLLM and SGLang apply it per query
+    # position, so such a drafter computes differently when served and its export is refused. True: train and
+    # export it anyway (for our own evaluation, or an engine patched to anchor the window).
+    accept_sliding_window_mismatch: bool = False
     # `auto`: flex_attention on CUDA, SDPA with a dense mask elsewhere (flex has no CPU backward).
     attention_backend: Literal["auto", "flex", "sdpa"] = "auto"
     # Start from an exported DFlash checkpoint (directory) instead of random weights.
@@ -67,6 +73,14 @@ class DrafterConfig:
                 self.sliding_window is not None and self.sliding_window > 0,
                 "drafter.sliding_window",
                 "must be a positive window when drafter.sliding_layers is set",
+            )
+            _require(
+                self.accept_sliding_window_mismatch,
+                "drafter.sliding_layers",
+                "sliding-window layers are trained with the window anchored at the block start, but vLLM and "
+                "SGLang apply it per query position, so the served drafter would compute differently and its "
+                "export is refused; drop drafter.sliding_layers, or set "
+                "drafter.accept_sliding_window_mismatch=true to train (and export) it anyway",
             )
             for i in self.sliding_layers:
                 _require(
@@ -89,6 +103,8 @@ class DataConfig:
     overlong: Literal["truncate", "skip"] = "truncate"
     max_anchors: int = 512
     seed: int = 0
+    # Refuse shards whose manifest records another tokenizer (vocabulary fingerprint) than the target's.
+    check_tokenizer: bool = True
 
 
 @dataclass
@@ -152,8 +168,10 @@ class TrainConfig:
 class CheckpointConfig:
     every_steps: int = 500
     keep_last: int = 3
-    # `auto`: resume from the newest checkpoint in the run directory if one exists.
+    # `auto`: resume from the newest intact checkpoint in the run directory if one exists; `none`; or a path.
     resume: str = "auto"
+    # Resume although the checkpoint names another target.name_or_path (the same model moved elsewhere).
+    allow_target_change: bool = False
 
     def validate(self) -> None:
         _require(self.every_steps >= 1, "checkpoint.every_steps", "must be >= 1")
@@ -287,7 +305,10 @@ def _check_value(value: Any, annotation: Any, key: str) -> Any:
             raise ConfigError(f"{key}: expected a mapping, got {type(value).__name__}")
         return _build(annotation, value, key)
     if annotation is float and isinstance(value, int) and not isinstance(value, bool):
-        return float(value)
+        try:
+            return float(value)
+        except OverflowError:
+            raise ConfigError(f"{key}: {value} is too large for a float") from None
     if annotation is float and isinstance(value, str):
         # YAML 1.1 reads `3e-4` (no dot) as a string; accept what Python reads as a number.
         try:
@@ -321,10 +342,13 @@ def _parse_override(text: str) -> tuple[list[str], Any]:
     if "=" not in text:
         raise ConfigError(f"override {text!r}: expected key.path=value")
     key, raw = text.split("=", 1)
+    if not key.strip():
+        raise ConfigError(f"override {text!r}: no key before '='")
     try:
         value = yaml.safe_load(raw) if raw != "" else ""
-    except yaml.YAMLError as error:
-        raise ConfigError(f"{key}: cannot parse value {raw!r}: {error}") from error
+    except (yaml.YAMLError, RecursionError) as error:
+        problem = getattr(error, "problem", None) or str(error).splitlines()[0]
+        raise ConfigError(f"{key}: cannot parse value {raw!r} as YAML: {problem}") from None
     return key.strip().split("."), value
 
 
@@ -342,17 +366,33 @@ def load_config(recipe: str | Path | None = None, overrides: list[str] | tuple[s
     """Build a RunConfig from a YAML recipe (or the defaults) plus dotted overrides."""
     tree: dict[str, Any] = {}
     if recipe is not None:
-        path = Path(recipe)
-        if not path.is_file():
-            raise ConfigError(f"recipe {path}: file not found")
-        loaded = yaml.safe_load(path.read_text()) or {}
-        if not isinstance(loaded, dict):
-            raise ConfigError(f"recipe {path}: top level must be a mapping")
-        tree = loaded
+        tree = _read_recipe(Path(recipe))
     for text in overrides:
         path_parts, value = _parse_override(text)
         _set_dotted(tree, path_parts, value)
     return _build(RunConfig, tree)
+
+
+def _read_recipe(path: Path) -> dict[str, Any]:
+    """The recipe's YAML mapping; any problem reading or parsing it is a ConfigError naming the place."""
+    if not path.is_file():
+        raise ConfigError(f"recipe {path}: file not found")
+    try:
+        loaded = yaml.safe_load(path.read_bytes())
+    except yaml.MarkedYAMLError as error:
+        mark = error.problem_mark
+        where = f"line {mark.line + 1}, column {mark.column + 1}" if mark is not None else "somewhere"
+        problem = error.problem or error.context or "invalid YAML"
+        raise ConfigError(f"recipe {path}: YAML syntax error at {where}: {problem}") from None
+    except (yaml.YAMLError, RecursionError) as error:
+        raise ConfigError(f"recipe {path}: not valid YAML: {str(error).splitlines()[0]}") from None
+    except OSError as error:
+        raise ConfigError(f"recipe {path}: cannot read: {error.strerror or error}") from None
+    if loaded is None:
+        return {}
+    if not isinstance(loaded, dict):
+        raise ConfigError(f"recipe {path}: top level must be a mapping of sections, got {type(loaded).__name__}")
+    return loaded
 
 
 def config_to_dict(config: Any) -> dict[str, Any]:
