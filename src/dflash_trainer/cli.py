@@ -159,9 +159,12 @@ def cmd_convert_checkpoint(args: argparse.Namespace) -> int:
 
 
 def cmd_plot(args: argparse.Namespace) -> int:
-    from .train.plot import plot_run
+    from .train.plot import PlotError, plot_run
 
-    for path in plot_run(args.run_dir):
+    paths = plot_run(args.run_dir)
+    if not paths:
+        raise PlotError(f"{args.run_dir}: its metrics hold none of loss, acc, tau, lr: nothing to plot")
+    for path in paths:
         print(path)
     return 0
 
