@@ -131,6 +131,10 @@ def _jsonl_records(path: Path, *, on_invalid: Callable[[PrepareError], None] | N
                 problem = PrepareError(
                     f"invalid JSON: {error.msg} (column {error.colno})", file=path, line=line_no, reason="invalid_json"
                 )
+            except RecursionError:
+                problem = PrepareError(
+                    "invalid JSON: nested too deeply", file=path, line=line_no, reason="invalid_json"
+                )
             else:
                 yield line_no, record
                 continue
