@@ -63,8 +63,11 @@ def readme_commands() -> list[list[str]]:
     (code blocks and inline code), with the `[key=value ...]` placeholder filled in. Mentions of a bare
     subcommand name in prose (`dflash-trainer export` writes...) and `--help` are left out."""
     text = (ROOT / "README.md").read_text().replace("\\\n", " ")
+    fenced = re.findall(r"```[a-z]*\n(.*?)```", text, flags=re.DOTALL)
+    inline = re.findall(r"`([^`\n]+)`", re.sub(r"```.*?```", "", text, flags=re.DOTALL))
+    code = "\n".join(fenced + inline)
     commands = []
-    for match in re.finditer(r"(?:dflash-trainer|torchrun)\s[^`#\n]*", text):
+    for match in re.finditer(r"(?:dflash-trainer|torchrun)[ \t][^#\n]*", code):
         words = shlex.split(match.group(0).replace("[key=value ...]", "optim.lr=1e-4 train.max_steps=2"))
         if words[0] == "torchrun":
             if "dflash_trainer" not in words:
