@@ -345,6 +345,13 @@ def test_config_level_mismatch_is_refused_before_the_target_loads(tmp_path):
     ckpt.preflight(load_config(None, [f"run_dir={run_dir}", "drafter.block_size=16", "drafter.mask_token_id=5"]))
 
 
+def test_resuming_with_another_batch_order_is_refused_before_any_work(tmp_path):
+    run_dir = tmp_path / "run"
+    save(run_dir, 2, config=load_config(None, [f"run_dir={run_dir}", "data.seed=1"]))
+    with pytest.raises(ckpt.CheckpointError, match=r"data\.seed: 1 in the checkpoint, 2 now \(the batch order"):
+        ckpt.preflight(load_config(None, [f"run_dir={run_dir}", "data.seed=2"]))
+
+
 def test_every_checkpoint_error_is_a_user_error():
     assert issubclass(ckpt.CheckpointError, UserError) and issubclass(StorageError, UserError)
     assert errors_module.is_storage_error(OSError(errno.ENOSPC, "x"))

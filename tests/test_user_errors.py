@@ -333,6 +333,22 @@ def test_a_full_disk_during_prepare_is_reported_and_cleaned_up(tmp_path, tiny_ch
     assert sorted(p.name for p in tmp_path.iterdir()) == ["in"]  # no output, no temporary directory
 
 
+def test_prepare_arguments_are_user_errors(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr("dflash_trainer.train.pipeline.load_target", lambda *a, **k: _TinyTarget())
+    chats = write_chats(tmp_path / "chats.jsonl", ["w3"])
+    argv = ["prepare", "--input", str(chats), "--out", str(tmp_path / "o"), "--max-seq-len", "0"]
+    code, err = run_main(argv, capsys)
+    assert_one_line_error(code, err, r"^error: --max-seq-len must be >= 1, got 0")
+
+
+class _TinyTarget:
+    name = "tiny"
+
+    @property
+    def tokenizer(self):
+        return None
+
+
 def test_prepare_refuses_a_tokenizer_without_chat_template_up_front(tmp_path, tiny_chat_tokenizer):
     tokenizer = tiny_chat_tokenizer.__class__(tokenizer_object=tiny_chat_tokenizer.backend_tokenizer)
     chats = write_chats(tmp_path / "chats.jsonl", ["w3"])

@@ -68,6 +68,13 @@ class DrafterConfig:
         _require(self.num_layers >= 1, "drafter.num_layers", "must be >= 1")
         _require(self.block_size >= 2, "drafter.block_size", "must be >= 2")
         _require(self.num_target_features >= 1, "drafter.num_target_features", "must be >= 1")
+        if self.target_layer_ids is not None:
+            _require(bool(self.target_layer_ids), "drafter.target_layer_ids", "must name at least one layer")
+            _require(min(self.target_layer_ids) >= 0, "drafter.target_layer_ids", "layer ids must be >= 0")
+        _require(self.mask_token_id is None or self.mask_token_id >= 0, "drafter.mask_token_id", "must be >= 0")
+        _require(
+            self.intermediate_size is None or self.intermediate_size >= 1, "drafter.intermediate_size", "must be >= 1"
+        )
         if self.sliding_layers:
             _require(
                 self.sliding_window is not None and self.sliding_window > 0,
@@ -106,6 +113,16 @@ class DataConfig:
     # Refuse shards whose manifest records another tokenizer (vocabulary fingerprint) than the target's.
     check_tokenizer: bool = True
 
+    def validate(self) -> None:
+        _require(self.max_seq_len >= 1, "data.max_seq_len", "must be >= 1")
+        _require(
+            self.token_budget >= self.max_seq_len,
+            "data.token_budget",
+            f"must be >= data.max_seq_len ({self.max_seq_len}) so that every row fits in a batch",
+        )
+        _require(self.max_batch_size >= 1, "data.max_batch_size", "must be >= 1")
+        _require(self.max_anchors >= 1, "data.max_anchors", "must be >= 1")
+
 
 @dataclass
 class LossConfig:
@@ -129,6 +146,9 @@ class NoiseConfig:
     start: float = 0.0
     end: float = 0.0
 
+    def validate(self) -> None:
+        _require(self.start >= 0 and self.end >= 0, "noise", "start and end must be >= 0")
+
 
 @dataclass
 class OptimConfig:
@@ -143,6 +163,11 @@ class OptimConfig:
 
     def validate(self) -> None:
         _require(self.lr > 0, "optim.lr", "must be > 0")
+        _require(self.weight_decay >= 0, "optim.weight_decay", "must be >= 0")
+        _require(self.eps > 0, "optim.eps", "must be > 0")
+        _require(self.grad_clip > 0, "optim.grad_clip", "must be > 0")
+        _require(0.0 <= self.min_lr_ratio <= 1.0, "optim.min_lr_ratio", "must be in [0, 1]")
+        _require(all(0.0 <= beta < 1.0 for beta in self.betas), "optim.betas", "must be in [0, 1)")
         _require(0.0 <= self.warmup_ratio < 1.0, "optim.warmup_ratio", "must be in [0, 1)")
         _require(self.grad_accum >= 1, "optim.grad_accum", "must be >= 1")
         _require(len(self.betas) == 2, "optim.betas", "must have two values")
@@ -187,6 +212,10 @@ class MetricsConfig:
     profile_interval: float = 0.0
     plot_at_end: bool = True
 
+    def validate(self) -> None:
+        _require(self.log_every >= 1, "metrics.log_every", "must be >= 1")
+        _require(self.profile_interval >= 0, "metrics.profile_interval", "must be >= 0 (0 = off)")
+
 
 @dataclass
 class EvalConfig:
@@ -200,6 +229,12 @@ class EvalConfig:
     # Run an evaluation after training ends (used by the main command).
     at_end: bool = False
 
+    def validate(self) -> None:
+        _require(self.every_steps >= 0, "eval.every_steps", "must be >= 0 (0 = off)")
+        _require(self.num_prompts >= 1, "eval.num_prompts", "must be >= 1")
+        _require(self.max_new_tokens >= 1, "eval.max_new_tokens", "must be >= 1")
+        _require(self.temperature >= 0, "eval.temperature", "must be >= 0")
+
 
 @dataclass
 class PrepareConfig:
@@ -211,6 +246,11 @@ class PrepareConfig:
     regenerate_batch_size: int = 16
     limit: int | None = None
     keep_reasoning: bool = False
+
+    def validate(self) -> None:
+        _require(self.max_new_tokens >= 1, "prepare.max_new_tokens", "must be >= 1")
+        _require(self.regenerate_batch_size >= 1, "prepare.regenerate_batch_size", "must be >= 1")
+        _require(self.limit is None or self.limit >= 1, "prepare.limit", "must be >= 1")
 
 
 @dataclass

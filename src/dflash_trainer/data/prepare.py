@@ -194,19 +194,20 @@ def prepare(
     tokens). `limit` stops after that many samples have been written. An existing non-empty `out_dir` is
     refused unless `overwrite=True`; it is replaced only after the new shards are complete.
     """
+    # Arguments come from the command line (`prepare --max-seq-len 0`): user errors, one line each.
     if on_error not in ("raise", "skip"):
-        raise ValueError(f"on_error must be 'raise' or 'skip', got {on_error!r}")
+        raise PrepareError(f"on_error must be 'raise' or 'skip', got {on_error!r}")
     if min_loss_tokens < 1:
-        raise ValueError(
+        raise PrepareError(
             f"min_loss_tokens must be >= 1 (a sample without loss tokens trains nothing), got {min_loss_tokens}"
         )
     if max_seq_len is not None and max_seq_len < 1:
-        raise ValueError(f"max_seq_len must be >= 1, got {max_seq_len}")
+        raise PrepareError(f"--max-seq-len must be >= 1, got {max_seq_len}")
     if limit is not None and limit < 1:
-        raise ValueError(f"limit must be >= 1, got {limit}")
+        raise PrepareError(f"--limit must be >= 1, got {limit}")
     paths = [Path(p) for p in inputs]
     if not paths:
-        raise ValueError("prepare needs at least one input")
+        raise PrepareError("prepare needs at least one input")
     _check_tokenizer_usable(tokenizer, tokenizer_name)
     for path in paths:
         if not path.exists():

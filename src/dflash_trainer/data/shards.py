@@ -27,7 +27,7 @@ from typing import Any, BinaryIO, Literal
 
 import numpy as np
 
-from ..errors import StorageError, UserError, is_storage_error, storage_error
+from ..errors import OutputExistsError, StorageError, UserError, is_storage_error, storage_error
 
 SHARD_FORMAT = "dflash-shards/1"
 MANIFEST_NAME = "manifest.json"
@@ -413,9 +413,11 @@ def _check_destination(out_dir: Path, *, overwrite: bool) -> None:
     if not out_dir.exists():
         return
     if not out_dir.is_dir():
-        raise FileExistsError(f"{out_dir}: exists and is not a directory")
+        raise OutputExistsError(f"{out_dir}: exists and is not a directory")
     if not overwrite and any(out_dir.iterdir()):
-        raise FileExistsError(f"{out_dir}: directory exists and is not empty; pass overwrite=True to replace it")
+        raise OutputExistsError(
+            f"{out_dir}: directory exists and is not empty; pass overwrite=True (--overwrite) to replace it"
+        )
 
 
 def _move_into_place(new_dir: Path, out_dir: Path) -> None:

@@ -24,6 +24,7 @@ sets it (`check_mask_token_id`), right after the target loads, before any data w
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 import importlib.util
 import json
@@ -202,7 +203,7 @@ def _reserved_token_ids(
 
 
 def _chat_template_text(tokenizer: PreTrainedTokenizerBase) -> str:
-    template = tokenizer.chat_template
+    template = getattr(tokenizer, "chat_template", None)
     if isinstance(template, dict):  # named templates
         return "\n".join(str(text) for text in template.values())
     return template if isinstance(template, str) else ""
@@ -265,19 +266,20 @@ def check_mask_token_id(
             f"drafter.mask_token_id={mask_token_id}: outside the target's vocabulary [0, {vocab_rows}); "
             "unset it to pick a spare row automatically"
         )
-    token = tokenizer.convert_ids_to_tokens(mask_token_id) if mask_token_id < len(tokenizer) else None
+    # Synthetic targets (bench) come with a stand-in tokenizer that knows only its pad id.
+    token = tokenizer.convert_ids_to_tokens(mask_token_id) if hasattr(tokenizer, "convert_ids_to_tokens") else None
     role = _reserved_token_ids(tokenizer, config, stop_token_ids).get(mask_token_id)
     problem = None
     if role is not None:
-        problem = f"is the target's {role} token {token!r}"
+        problem = f"is the target's {role} token" + (f" {token!r}" if token is not None else "")
     elif token is not None and token in _chat_template_text(tokenizer) and mask_token_id in _special_ids(tokenizer):
         problem = f"is {token!r}, which the chat template writes into every conversation"
     if problem is None:
         return
-    try:
-        suggestion = f" (here: {find_spare_mask_token_id(tokenizer, config, stop_token_ids=stop_token_ids)})"
-    except MaskTokenError:
-        suggestion = ""
+    suggestion = ""
+    if hasattr(tokenizer, "added_tokens_decoder"):  # a real tokenizer, not a synthetic target's stand-in
+        with contextlib.suppress(MaskTokenError):
+            suggestion = f" (here: {find_spare_mask_token_id(tokenizer, config, stop_token_ids=stop_token_ids)})"
     raise MaskTokenError(
         f"drafter.mask_token_id={mask_token_id} {problem}; the mask token must be a row chat text never "
         f"produces. Unset drafter.mask_token_id to pick a spare row automatically{suggestion}"

@@ -88,6 +88,8 @@ _RECIPE_KEYS = {
     "sliding_window": "drafter.sliding_window",
     "sliding_causal_in_block": "drafter.sliding_causal_in_block",
 }
+# Recipe keys the batch order depends on (the sampler refuses a resume that changes them).
+_DATA_ORDER_KEYS = ("seed", "token_budget", "max_seq_len", "max_batch_size", "packing")
 # Recipe keys that shape the drafter; compared before any work when both sides set them explicitly.
 _ARCHITECTURE_RECIPE_KEYS = (
     "num_layers",
@@ -430,13 +432,20 @@ def _target_differences(saved_config: dict[str, Any], config: RunConfig) -> list
 
 def check_resume_config(source: Path, saved_config: dict[str, Any], config: RunConfig) -> None:
     """The config-level part of `check_resume_compatible`, before the target is loaded: drafter keys both
-    configs set explicitly, and the target."""
+    configs set explicitly, the data settings the batch order depends on, and the target."""
     saved_drafter = saved_config.get("drafter") or {}
     now = config_to_dict(config)["drafter"]
     rows = [
         f"drafter.{key}: {saved!r} in the checkpoint, {current!r} now"
         for key, saved, current in _differences(saved_drafter, now, _ARCHITECTURE_RECIPE_KEYS)
         if saved is not None and current is not None
+    ]
+    saved_data = saved_config.get("data") or {}
+    now_data = config_to_dict(config)["data"]
+    rows += [
+        f"data.{key}: {saved!r} in the checkpoint, {current!r} now (the batch order would not continue)"
+        for key, saved, current in _differences(saved_data, now_data, _DATA_ORDER_KEYS)
+        if key in saved_data
     ]
     rows += _target_differences(saved_config, config)
     if rows:
