@@ -176,6 +176,15 @@ def test_a_crafted_pickle_in_the_run_dir_is_refused_and_never_run(tmp_path):
     assert not marker.exists()
 
 
+def test_export_and_eval_still_read_the_drafter_of_a_legacy_checkpoint(tmp_path):
+    from dflash_trainer.train.pipeline import resolve_checkpoint
+
+    run_dir = tmp_path / "run"
+    plant_pickle(ckpt.checkpoint_dir(run_dir) / "step-00000005", tmp_path / "marker")
+    assert resolve_checkpoint(run_dir).name == "step-00000005"  # drafter files only; trainer.pt is never read
+    assert not (tmp_path / "marker").exists()
+
+
 def test_a_trusted_legacy_checkpoint_converts_and_loads(tmp_path):
     path = save(tmp_path / "run", 4)
     state = ckpt.load_checkpoint(path).trainer_state

@@ -143,14 +143,21 @@ def latest_checkpoint(run_dir: str | Path) -> Path | None:
     return found[-1] if found else None
 
 
-def newest_intact_checkpoint(run_dir: str | Path, warn: Callable[[str], object] = print) -> Path | None:
+def newest_intact_checkpoint(
+    run_dir: str | Path, warn: Callable[[str], object] = print, *, drafter_only: bool = False
+) -> Path | None:
     """The newest checkpoint of `run_dir` whose files match its manifest; newer broken ones are reported
-    through `warn`. None when the run has no checkpoint; CheckpointError when none is intact."""
+    through `warn`. None when the run has no checkpoint; CheckpointError when none is intact.
+
+    `drafter_only` (export, eval): a checkpoint of an earlier version counts too, since its drafter files
+    (safetensors + JSON) are safe to read; only its trainer.pt is not, and that is not read."""
     problems = []
     for path in reversed(list_checkpoints(run_dir)):
         try:
             verify_checkpoint(path)
         except LegacyCheckpointError:
+            if drafter_only:
+                return path
             raise
         except CheckpointError as error:
             problems.append(str(error))

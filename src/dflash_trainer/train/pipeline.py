@@ -289,12 +289,14 @@ def resolve_checkpoint(path: str | Path) -> Path:
     """A run dir (newest checkpoint), a training checkpoint, or an exported drafter directory."""
     path = Path(path)
     if (path / "checkpoints").is_dir():
-        newest = ckpt.newest_intact_checkpoint(path)
+        newest = ckpt.newest_intact_checkpoint(path, drafter_only=True)
         if newest is None:
             raise ckpt.CheckpointError(f"{path}: run directory without checkpoints")
         return newest
     if not path.is_dir():
         raise ckpt.CheckpointError(f"{path}: no such checkpoint directory")
+    if (path / ckpt.MANIFEST).is_file():
+        ckpt.verify_checkpoint(path)
     return path
 
 
