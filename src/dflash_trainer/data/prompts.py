@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from dflash_trainer.data.chat import ChatMessage, RecordError, normalize_record
+from dflash_trainer.errors import UserError
 
 GSM8K_TEST_SIZE = 200
 GSM8K_INSTRUCTION = "Solve this step by step, then give the final answer on its own line."
@@ -34,7 +35,7 @@ HUMANEVAL_INSTRUCTION = "Complete the following Python function. Reply with the 
 SPLITS = ("train", "test", "all")
 
 
-class PromptSetError(ValueError):
+class PromptSetError(UserError, ValueError):
     """An unknown prompt set, a missing pip package, or a malformed prompt file."""
 
 
