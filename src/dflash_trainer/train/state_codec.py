@@ -30,13 +30,13 @@ _TAGS = ("__tuple__", "__dict__", "__tensor__", "__ndarray__", "__float__")
 
 
 def encode_state(state: Any) -> tuple[Any, dict[str, torch.Tensor]]:
-    """(JSON-serialisable tree, tensors by name) for `state`; tensors are detached CPU copies."""
+    """(JSON-serialisable tree, tensors by name) for `state`; the tensors are the state's own (detached)."""
     tensors: dict[str, torch.Tensor] = {}
 
     def store(tensor: torch.Tensor) -> str:
         name = f"t{len(tensors)}"
-        # A private contiguous copy: views sharing storage cannot be written as separate safetensors entries.
-        tensors[name] = tensor.detach().to("cpu", copy=True).contiguous()
+        # No copy: the writer (durable_io.write_safetensors) moves one tensor at a time to the CPU.
+        tensors[name] = tensor.detach()
         return name
 
     def encode(value: Any) -> Any:
