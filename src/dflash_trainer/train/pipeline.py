@@ -198,6 +198,8 @@ def _run_training(config: RunConfig, world: World, should_stop: Callable[[], boo
         drafter,
         export_dir,
         source=run_dir,
+        # The run's own directory (possibly copied from another machine, under another path): always its export.
+        overwrite=True,
         accept_sliding_window_mismatch=config.drafter.accept_sliding_window_mismatch,
     )
     if config.eval.at_end:
