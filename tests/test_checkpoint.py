@@ -364,3 +364,21 @@ def test_resuming_with_another_batch_order_is_refused_before_any_work(tmp_path):
 def test_every_checkpoint_error_is_a_user_error():
     assert issubclass(ckpt.CheckpointError, UserError) and issubclass(StorageError, UserError)
     assert errors_module.is_storage_error(OSError(errno.ENOSPC, "x"))
+
+
+def test_the_trainer_refuses_to_resume_with_other_taps(tmp_path):
+    """End to end through Trainer.maybe_resume (no preflight): 2 steps with 3 taps, then a resume with 2."""
+    from dflash_trainer.train.trainer import Trainer
+    from train_helpers import save_tiny_target, write_counting_shards, write_recipe
+
+    target = save_tiny_target(tmp_path / "target")
+    shards = write_counting_shards(tmp_path / "shards", num_samples=8)
+    recipe = write_recipe(tmp_path / "r.yaml", tmp_path / "run", target, shards, train={"max_steps": 2})
+    Trainer(load_config(recipe), log=lambda _: None).fit()
+    changed = load_config(recipe, ["drafter.num_target_features=2", "train.max_steps=4"])
+    with pytest.raises(
+        ckpt.CheckpointError, match=r"drafter\.target_layer_ids .*: \[1, 2, 3\] in the checkpoint, \[1, 3\] now"
+    ):
+        Trainer(changed, log=lambda _: None).fit()
+    resumed = Trainer(load_config(recipe, ["train.max_steps=4"]), log=lambda _: None).fit()
+    assert resumed.steps == 4
