@@ -179,6 +179,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         steps=args.steps,
         warmup=args.warmup,
         out=args.out,
+        ablations=args.ablation,
     )
     return 0
 
@@ -267,6 +268,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--steps", type=int, default=10)
     bench.add_argument("--warmup", type=int, default=3)
     bench.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
+    bench.add_argument(
+        "--ablation", action="append", default=[], help="NAME:key=value,...: one more end-to-end phase with these"
+    )
     bench.set_defaults(run=cmd_bench)
     return parser
 

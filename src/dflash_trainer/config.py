@@ -35,6 +35,9 @@ class TargetConfig:
     # Where converted GGUF targets are cached; default ~/.cache/dflash-trainer.
     cache_dir: str | None = None
     attn_implementation: str = "sdpa"
+    # The decoder's linear layers in FP8 for feature capture in training (bf16 target, GPU with FP8 tensor cores);
+    # evaluation and regeneration load the target unquantised.
+    fp8: bool = False
 
 
 @dataclass
@@ -63,6 +66,11 @@ class DrafterConfig:
     init_from: str | None = None
     # torch.compile each drafter layer on CUDA (fuses norms, RoPE, SwiGLU; ~16% faster steps, less memory).
     compile: bool = True
+    # torch.compile mode of the drafter layers ("reduce-overhead" adds CUDA graphs, one per shape bucket).
+    compile_mode: Literal["default", "max-autotune-no-cudagraphs", "reduce-overhead"] = "default"
+    # flex BlockMasks from tile tables computed from the anchors in the data stage ("anchors"), or by
+    # evaluating the mask on the whole grid with create_block_mask ("mask_mod", the reference).
+    mask_builder: Literal["anchors", "mask_mod"] = "anchors"
 
     def validate(self) -> None:
         _require(self.num_layers >= 1, "drafter.num_layers", "must be >= 1")
@@ -112,6 +120,13 @@ class DataConfig:
     seed: int = 0
     # Refuse shards whose manifest records another tokenizer (vocabulary fingerprint) than the target's.
     check_tokenizer: bool = True
+    # Shape buckets: row length padded to a multiple of seq_multiple, anchors per row to a multiple of
+    # anchor_multiple (padding is masked out), so compiled code meets few shapes. 1 = no padding; 0 = auto:
+    # 128 and 16 on a GPU (flex attention's tile), no padding on the CPU (nothing compiled there).
+    seq_multiple: int = 0
+    anchor_multiple: int = 0
+    # Optimizer steps of batches prepared ahead on a background thread (0: on the training thread).
+    prefetch_steps: int = 2
 
     def validate(self) -> None:
         _require(self.max_seq_len >= 1, "data.max_seq_len", "must be >= 1")
@@ -122,6 +137,9 @@ class DataConfig:
         )
         _require(self.max_batch_size >= 1, "data.max_batch_size", "must be >= 1")
         _require(self.max_anchors >= 1, "data.max_anchors", "must be >= 1")
+        _require(self.seq_multiple >= 0, "data.seq_multiple", "must be >= 0")
+        _require(self.anchor_multiple >= 0, "data.anchor_multiple", "must be >= 0")
+        _require(self.prefetch_steps >= 0, "data.prefetch_steps", "must be >= 0")
 
 
 @dataclass
@@ -133,6 +151,8 @@ class LossConfig:
     label_source: Literal["data", "target_argmax", "soft"] = "data"
     # Blocks per loss chunk: bounds the [chunk * block, vocab] logits that exist at once.
     chunk_blocks: int = 64
+    # torch.compile the per-chunk LM head + loss on CUDA (fuses the softmax, CE, argmax and gradient passes).
+    compile: bool = True
 
     def validate(self) -> None:
         _require(self.gamma is None or self.gamma > 0, "loss.gamma", "must be > 0")
@@ -183,6 +203,9 @@ class TrainConfig:
     precision: Literal["auto", "bf16", "fp32"] = "auto"
     # On NaN/inf loss: stop with the step and sample ids, or skip the step and count it.
     on_nonfinite: Literal["stop", "skip"] = "stop"
+    # Read each step's finiteness and stop flags on the host right away (one sync per step) instead of one
+    # step later, while the next step runs; the skip itself happens on the device either way.
+    sync_every_step: bool = False
 
     def validate(self) -> None:
         _require(self.epochs >= 1, "train.epochs", "must be >= 1")

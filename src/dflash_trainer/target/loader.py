@@ -48,6 +48,7 @@ from transformers import (
 )
 
 from ..errors import UserError
+from .fp8 import quantize_decoder_linears
 
 # Built-in targets: name -> (pip package that ships the GGUF file, file name inside the package, pip spec).
 BUILTIN_GGUF_TARGETS: dict[str, tuple[str, str, str]] = {
@@ -92,12 +93,14 @@ def load_target(
     device: str = "auto",
     cache_dir: str | None = None,
     attn_implementation: str = "sdpa",
+    fp8: bool = False,
 ) -> LoadedTarget:
     """Load the target model and tokenizer, frozen and in eval mode, on `device` in `dtype`.
 
     `name_or_path`: a built-in name (see `BUILTIN_GGUF_TARGETS`), a model directory, a `.gguf` file (converted
     once into the cache), or a Hugging Face hub id (needs network access or the hub cache).
     `dtype`/`device` `auto`: bfloat16 on CUDA and float32 on CPU; CUDA when available.
+    `fp8`: run the decoder layers' linear layers in FP8 (`fp8.py`; bf16 on a GPU of compute capability 8.9+).
     """
     torch_device = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, torch_device)
@@ -120,7 +123,7 @@ def load_target(
         )
     _align_tokenizer_special_tokens(tokenizer, stop_token_ids, model.generation_config.pad_token_id)
     is_local = Path(model_source).is_dir()
-    return LoadedTarget(
+    target = LoadedTarget(
         model=model,
         tokenizer=tokenizer,
         config=target_text_config(model.config),
@@ -130,6 +133,23 @@ def load_target(
         dtype=torch_dtype,
         model_dir=str(model_source) if is_local else None,
     )
+    if fp8:
+        quantize_target_to_fp8(target)
+    return target
+
+
+def quantize_target_to_fp8(target: LoadedTarget) -> None:
+    """Run the linear layers of the target's decoder layers in FP8 from now on (`fp8.py`); irreversible."""
+    if target.device.type != "cuda" or torch.cuda.get_device_capability(target.device) < (8, 9):
+        raise TargetLoadError(
+            f"target {target.name!r}: target.fp8 needs a CUDA GPU with FP8 tensor cores (Ada, Hopper); "
+            f"the target is on {target.device}"
+        )
+    if target.dtype != torch.bfloat16:
+        raise TargetLoadError(
+            f"target {target.name!r}: target.fp8 needs target.dtype bfloat16 (or auto), not {target.dtype}"
+        )
+    quantize_decoder_linears(target.model.get_decoder().layers)
 
 
 def resolve_device(device: str) -> torch.device:

@@ -60,7 +60,7 @@ from ..distributed.transport import (
 )
 from ..distributed.world import World
 from ..target.capture import FeatureCapture, TargetOutputs, decoder_module, embedding_module, lm_head_module
-from ..target.loader import LoadedTarget, load_target, resolve_dtype
+from ..target.loader import LoadedTarget, load_target, quantize_target_to_fp8, resolve_dtype
 from .batch import TrainBatch
 from .data_setup import TrainingData, load_training_data, plan_to_batch
 from .profiler import StageProfiler, StageSummary
@@ -301,7 +301,7 @@ class TargetWorker:
         self.should_stop = should_stop
         self.faults = FaultInjection.from_env(world.rank)
         # The global batch list, as the drafters see it.
-        self.data: TrainingData = load_training_data(config, target, rank=0, world_size=1, log=lambda _: None)
+        self.data: TrainingData = load_training_data(config, target, rank=0, world_size=1)
         self.batches_per_step = roles.num_drafters * config.optim.grad_accum
         self.sender = FeatureSender(
             queue_depth=config.placement.queue_depth,
@@ -435,6 +435,8 @@ def run_disaggregated(
     else:
         wait_for_data()
     if roles.role == "target":
+        if config.target.fp8:  # after any regeneration: the data comes from the real target
+            quantize_target_to_fp8(target)
         worker = TargetWorker(config, roles=roles, world=world, target=target, should_stop=should_stop)
         return worker.run(), None
     trainer = DrafterTrainer(config, roles=roles, world=world, target=target, should_stop=should_stop)

@@ -20,7 +20,7 @@ from ..data.prompts import load_prompt_set
 from ..data.shards import check_shards_tokenizer
 from ..distributed.world import World, init_world, shutdown_world
 from ..errors import UserError
-from ..target.loader import LoadedTarget, load_target
+from ..target.loader import LoadedTarget, load_target, quantize_target_to_fp8
 from . import checkpoint as ckpt
 from .trainer import Trainer, TrainSummary, drafter_model_config
 
@@ -182,6 +182,8 @@ def _run_training(config: RunConfig, world: World, should_stop: Callable[[], boo
             ensure_train_data(config, target)
         else:
             wait_for_shards(Path(config.data.train_shards))
+        if config.target.fp8:  # after any regeneration: the data comes from the real target
+            quantize_target_to_fp8(target)
         trainer = Trainer(config, should_stop=should_stop, target=target, world=world)
         summary = trainer.fit()
         if not world.is_main:
@@ -205,8 +207,10 @@ def _run_training(config: RunConfig, world: World, should_stop: Callable[[], boo
     if config.eval.at_end:
         from ..eval.runner import evaluate
 
-        # Disaggregated drafter ranks hold no decoder layers: load the whole target for the evaluation.
-        target = target or load_config_target(config, device=str(world.device))
+        # Disaggregated drafter ranks hold no decoder layers, and an FP8 target is not the real one: load the whole
+        # target, as it is, for the evaluation.
+        if target is None or config.target.fp8:
+            target = load_config_target(config, device=str(world.device))
         drafter.eval()
         report = evaluate(
             target,

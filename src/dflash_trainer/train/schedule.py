@@ -129,3 +129,9 @@ def position_of(sampler: TokenBudgetSampler, *, batches_per_step: int, layout: s
         batches_per_step=batches_per_step,
         layout=layout,
     )
+
+
+def epoch_progress(sampler: TokenBudgetSampler) -> float:
+    """Fractional epoch of the sampler's position (for the metrics)."""
+    state = sampler.state_dict()
+    return state["epoch"] + state["consumed"] / max(1, sampler.batches_in_epoch(state["epoch"]))
