@@ -33,6 +33,8 @@ from typing import Any
 from jinja2.exceptions import TemplateError
 from transformers import PreTrainedTokenizerBase
 
+from ..errors import UserError
+
 ChatMessage = dict[str, str]
 
 ROLES = ("system", "user", "assistant")
@@ -50,7 +52,7 @@ _THINK_END = "</think>"
 _PROBE_CONTENT = "dflash probe reply"
 
 
-class RecordError(ValueError):
+class RecordError(UserError, ValueError):
     """A chat record is malformed. `reason` is a short key used to count skipped records per cause."""
 
     def __init__(self, reason: str, message: str) -> None:

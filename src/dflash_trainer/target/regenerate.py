@@ -37,6 +37,7 @@ from transformers import GenerationConfig
 from dflash_trainer.data.chat import ChatMessage, RecordError, normalize_record
 from dflash_trainer.data.prepare import read_chat_records
 from dflash_trainer.data.prompts import Prompt
+from dflash_trainer.errors import UserError
 from dflash_trainer.target.loader import LoadedTarget
 
 SHARD_PATTERN = "regen-{:05d}.jsonl"
@@ -45,7 +46,7 @@ FORMAT = "dflash-regen/1"
 DEFAULT_SHARD_SIZE = 1000
 
 
-class RegenerateError(ValueError):
+class RegenerateError(UserError, ValueError):
     """Bad input records, or an output directory that holds a different run."""
 
 

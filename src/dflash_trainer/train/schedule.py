@@ -23,6 +23,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from ..data.sampler import BatchPlan, TokenBudgetSampler
+from ..errors import UserError
 
 
 def step_groups(sampler: TokenBudgetSampler, *, epochs: int, micro_batches_per_step: int) -> Iterator[list[BatchPlan]]:
@@ -71,7 +72,7 @@ class RunIndex:
         return self._offsets[epoch] + index
 
 
-class ResumeError(ValueError):
+class ResumeError(UserError, ValueError):
     """A checkpoint cannot continue with this run's ranks and settings."""
 
 

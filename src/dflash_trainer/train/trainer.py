@@ -60,7 +60,7 @@ from ..target.capture import (
     embedding_module,
     lm_head_module,
 )
-from ..target.loader import LoadedTarget, find_spare_mask_token_id, load_target, resolve_device
+from ..target.loader import LoadedTarget, load_target, resolve_device, resolve_mask_token_id
 from . import checkpoint as ckpt
 from .batch import TrainBatch
 from .data_setup import load_training_data, plan_to_host_batch
@@ -101,9 +101,7 @@ class TrainSummary:
 def drafter_model_config(config: RunConfig, target: LoadedTarget) -> DrafterModelConfig:
     """The one place the drafter's architecture is derived from the recipe and the target."""
     drafter = config.drafter
-    mask_token_id = drafter.mask_token_id
-    if mask_token_id is None:
-        mask_token_id = find_spare_mask_token_id(target.tokenizer, target.config, stop_token_ids=target.stop_token_ids)
+    mask_token_id = resolve_mask_token_id(drafter.mask_token_id, target)
     return DrafterModelConfig.from_target(
         target.config,
         num_layers=drafter.num_layers,
@@ -693,13 +691,10 @@ class Trainer:
         """`checkpoint.resume`: `auto` = newest checkpoint of the run dir if any, `none` = never, else a path.
 
         Every rank reads the checkpoint (a shared filesystem, as for the run directory itself)."""
-        choice = self.config.checkpoint.resume
-        if choice == "none":
+        resumed = ckpt.load_for_resume(self.run_dir, self.config, self.model_config, log=self.log)
+        if resumed is None:
             return None
-        path = ckpt.latest_checkpoint(self.run_dir) if choice == "auto" else Path(choice)
-        if path is None:
-            return None
-        drafter_state, state = ckpt.load_checkpoint(path)
+        path, drafter_state, state = resumed
         self.sampler.load_state_dict(self._resumed_sampler_state(state, source=str(path)))
         self.sync.load_full_state(self.optimizer, drafter_state, state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])

@@ -24,6 +24,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from dflash_trainer.errors import UserError
+
 if TYPE_CHECKING:  # not at run time: chat.py imports transformers, which these loaders do not need
     from dflash_trainer.data.chat import ChatMessage
 
@@ -31,7 +33,7 @@ if TYPE_CHECKING:  # not at run time: chat.py imports transformers, which these 
 MAX_PROMPT_CHARS = 6000
 
 
-class PromptSetError(ValueError):
+class PromptSetError(UserError, ValueError):
     """An unknown prompt set, a missing pip package, or a malformed prompt file."""
 
 
