@@ -23,6 +23,8 @@ from .errors import UserError, is_storage_error, storage_error
 
 RECIPES_DIR = Path(__file__).resolve().parents[2] / "recipes"
 DEFAULT_RECIPE = "smollm2-135m"
+# What `train` runs without a recipe on a machine with a CUDA device.
+DEFAULT_GPU_RECIPE = "smollm2-135m-gpu"
 DEFAULT_BENCH_RECIPE = "bench-qwen3-8b"
 # Subcommands whose positionals (recipe, overrides) may come after options.
 INTERMIXED = ("train", "bench")
@@ -45,6 +47,20 @@ def resolve_recipe(recipe: str | None) -> Path:
         hint = f"did you mean {close[0]!r}? " if close else ""
         raise ConfigError(f"recipe {name!r}: not a file and not one of {known} in {RECIPES_DIR}; {hint}".rstrip("; "))
     return candidate
+
+
+def default_train_recipe(cuda_available: bool) -> tuple[str, str]:
+    """(the recipe `train` runs when none is named, the line that says so first): the GPU recipe where there is a
+    CUDA device, the 2-core CPU demonstration elsewhere."""
+    if cuda_available:
+        return DEFAULT_GPU_RECIPE, (
+            f"no recipe given and a CUDA device is present: running recipes/{DEFAULT_GPU_RECIPE}.yaml (the main job "
+            f"on one GPU; name a recipe to choose another, e.g. `dflash-trainer train {DEFAULT_RECIPE}`)"
+        )
+    return DEFAULT_RECIPE, (
+        f"no recipe given and no CUDA device: running recipes/{DEFAULT_RECIPE}.yaml, a demonstration of the whole "
+        f"pipeline sized for 2 CPU cores (a useful drafter needs the GPU recipe {DEFAULT_GPU_RECIPE}; README results)"
+    )
 
 
 def keys_help() -> str:
@@ -74,6 +90,12 @@ def without_option(argv: list[str], option: str) -> list[str]:
 
 def cmd_train(args: argparse.Namespace) -> int:
     recipe, overrides = split_recipe_and_overrides(args.items)
+    if recipe is None:
+        import torch
+
+        recipe, line = default_train_recipe(torch.cuda.is_available())
+        if os.environ.get("LOCAL_RANK", "0") == "0":
+            print(line, flush=True)
     if args.resume:
         overrides.append(f"checkpoint.resume={args.resume}")
     if args.profile_interval is not None:
@@ -193,8 +215,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="train a drafter from a recipe",
         formatter_class=argparse.RawDescriptionHelpFormatter,
         description="dflash-trainer train [RECIPE] [key.path=value ...]\n\n"
-        f"RECIPE is a YAML file or a name in recipes/ (default {DEFAULT_RECIPE}).\n\nConfig keys and defaults:\n"
-        + keys_help(),
+        f"RECIPE is a YAML file or a name in recipes/ (default {DEFAULT_GPU_RECIPE} where a CUDA device is present, "
+        f"else {DEFAULT_RECIPE}).\n\nConfig keys and defaults:\n" + keys_help(),
     )
     train.add_argument("items", nargs="*", help="recipe, then overrides like optim.lr=3e-4")
     train.add_argument("--resume", help="resume from this checkpoint directory (default: newest in run_dir)")
