@@ -9,7 +9,16 @@ import pytest
 import torch
 
 from dflash_trainer.model.anchors import sample_anchors
-from dflash_trainer.model.attention import MaskVariant, attend, build_masks, dense_mask, dflash_mask_mod
+from dflash_trainer.model.attention import (
+    TILE,
+    MaskVariant,
+    TileTables,
+    attend,
+    build_masks,
+    dense_mask,
+    dflash_mask_mod,
+    tile_tables,
+)
 from dflash_trainer.model.drafter import DFlashDrafter
 from model_helpers import random_packed_batch, tiny_drafter_config
 
@@ -140,3 +149,75 @@ def test_dense_attention_gradients_match_float64_reference():
     torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-5)
     for ours, theirs in ((q, q64), (k, k64), (v, v64)):
         torch.testing.assert_close(ours.grad.double(), theirs.grad, rtol=1e-4, atol=1e-5)
+
+
+def tiles_dense(num_blocks: torch.Tensor, indices: torch.Tensor, kv_tiles: int) -> torch.Tensor:
+    """(count [R, 1, Qt], indices [R, 1, Qt, KVt]) -> bool [R, Qt, KVt] of the listed tiles."""
+    rows, _, q_tiles = num_blocks.shape
+    listed = torch.arange(indices.shape[-1]) < num_blocks[..., None]  # [R, 1, Qt, KVt]
+    dense = torch.zeros(rows, 1, q_tiles, kv_tiles + 1, dtype=torch.bool)
+    dense.scatter_(-1, torch.where(listed, indices.long(), kv_tiles), True)
+    return dense[..., :kv_tiles].squeeze(1)
+
+
+def long_document_inputs(window_seed: int):
+    """Long documents with many anchors far into them: many full context tiles, and padding at a row end."""
+    rows, length = 2, 1024
+    doc_ids = torch.zeros(rows, length, dtype=torch.long)
+    doc_ids[1, 600:] = 1
+    doc_ids[1, 1000:] = -1
+    loss_mask = torch.zeros(rows, length, dtype=torch.bool)
+    loss_mask[:, 300:] = True
+    loss_mask[1, 1000:] = False
+    gen = torch.Generator().manual_seed(window_seed)
+    anchors, keep = sample_anchors(loss_mask=loss_mask, doc_ids=doc_ids, max_anchors=40, generator=gen, num_slots=48)
+    return anchors, keep, doc_ids
+
+
+@pytest.mark.parametrize(
+    "case",
+    [
+        dict(block_size=16, length=300, anchors=16, window=None, causal=False),
+        dict(block_size=16, length=700, anchors=40, window=50, causal=True),
+        dict(block_size=4, length=256, anchors=32, window=None, causal=False),
+        dict(block_size=10, length=300, anchors=20, window=None, causal=False),  # blocks straddle query tiles
+        dict(block_size=16, length=1024, anchors=0, window=None, causal=False),
+        dict(block_size=16, length=1024, anchors=0, window=200, causal=False),
+    ],
+    ids=["b16", "b16-window-causal", "b4", "b10", "long-docs", "long-docs-window"],
+)
+def test_tile_tables_from_anchors_equal_create_block_mask(case):
+    """The tables built from the anchors alone are exactly those of evaluating the mask on the whole grid."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    block_size, window = case["block_size"], case["window"]
+    if case["anchors"]:
+        config = tiny_drafter_config(block_size=block_size)
+        batch = random_packed_batch(config, rows=3, length=case["length"], max_anchors=case["anchors"], seed=block_size)
+        anchors, keep, doc_ids = batch.anchors, batch.anchor_keep, batch.doc_ids
+    else:
+        anchors, keep, doc_ids = long_document_inputs(window or 0)
+    rows, num_blocks = anchors.shape
+    context_len = doc_ids.shape[1]
+    q_len = num_blocks * block_size
+    mask_mod = dflash_mask_mod(
+        anchors=anchors,
+        anchor_keep=keep,
+        doc_ids=doc_ids,
+        block_size=block_size,
+        context_len=context_len,
+        window=window,
+        causal_in_block=case["causal"],
+    )
+    reference = create_block_mask(mask_mod, B=rows, H=None, Q_LEN=q_len, KV_LEN=context_len + q_len, device="cpu")
+    tables: TileTables = tile_tables(
+        anchors=anchors, anchor_keep=keep, doc_ids=doc_ids, block_size=block_size, window=window
+    )
+    kv_tiles = -(-(context_len + q_len) // TILE)
+    assert tables.kv_indices.shape == (rows, 1, -(-q_len // TILE), kv_tiles)
+    partial = tiles_dense(tables.kv_num_blocks, tables.kv_indices, kv_tiles)
+    full = tiles_dense(tables.full_kv_num_blocks, tables.full_kv_indices, kv_tiles)
+    assert torch.equal(partial, tiles_dense(reference.kv_num_blocks, reference.kv_indices, kv_tiles))
+    assert torch.equal(full, tiles_dense(reference.full_kv_num_blocks, reference.full_kv_indices, kv_tiles))
+    if case["anchors"] == 0 and window is None:
+        assert full.sum() > 10  # the case exercises full tiles

@@ -14,7 +14,8 @@ RECIPES = Path(__file__).resolve().parents[1] / "recipes"
 
 
 def test_defaults_and_overrides():
-    config = load_config(None, ["optim.lr=3e-4", "drafter.sliding_layers=[0]", "drafter.sliding_window=64"])
+    sliding = ["drafter.sliding_layers=[0]", "drafter.sliding_window=64", "drafter.accept_sliding_window_mismatch=true"]
+    config = load_config(None, ["optim.lr=3e-4", *sliding])
     assert config.optim.lr == 3e-4 and config.drafter.sliding_layers == [0]
     assert config.train.epochs == 6 and config.drafter.block_size == 16
 
@@ -37,6 +38,15 @@ def test_int_is_accepted_for_float_but_not_the_reverse():
         ("drafter.sliding_layers=[7]", r"drafter\.sliding_window"),
         ("placement.target_ranks=[0]", r"placement: disaggregated placement needs both"),
         ("no_equals_sign", r"expected key\.path=value"),
+        ("=3", r"no key before"),
+        ("data.token_budget=100", r"data\.token_budget: must be >= data\.max_seq_len \(2048\)"),
+        ("metrics.log_every=0", r"metrics\.log_every: must be >= 1"),
+        ("optim.betas=[0.9,1.5]", r"optim\.betas: must be in \[0, 1\)"),
+        ("drafter.target_layer_ids=[]", r"drafter\.target_layer_ids: must name at least one layer"),
+        ("eval.num_prompts=0", r"eval\.num_prompts: must be >= 1"),
+        ("optim.lr=[", r"optim\.lr: cannot parse value '\[' as YAML"),
+        ("optim.lr=" + "[" * 5000, r"optim\.lr: cannot parse value"),
+        ("optim.lr=" + "9" * 400, r"optim\.lr: .* too large for a float"),
     ],
 )
 def test_bad_keys_and_values_name_the_key(override, message):
@@ -48,6 +58,36 @@ def test_unknown_key_in_a_recipe_file(tmp_path):
     recipe = tmp_path / "r.yaml"
     recipe.write_text(yaml.safe_dump({"data": {"token_budgett": 10}}))
     with pytest.raises(ConfigError, match=r"data\.token_budgett: unknown key"):
+        load_config(recipe)
+
+
+def test_sliding_layers_are_refused_unless_the_window_mismatch_is_accepted():
+    # The serving engines apply the window per query position, our mask at the block start (README).
+    with pytest.raises(ConfigError, match=r"drafter\.sliding_layers: .*vLLM and SGLang apply it per query position"):
+        load_config(None, ["drafter.sliding_layers=[0]", "drafter.sliding_window=64"])
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("optim:\n  lr: [1, 2\n", r"YAML syntax error at line 3, column 1"),
+        ("optim: {lr: 1e-3\ntrain: x", r"YAML syntax error at line 2"),
+        ("- just\n- a list\n", r"top level must be a mapping of sections, got list"),
+        ("\tbad: tab", r"YAML syntax error at line 1, column 1"),
+    ],
+)
+def test_yaml_syntax_errors_are_one_line_config_errors(tmp_path, text, message):
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(text)
+    with pytest.raises(ConfigError, match=message) as caught:
+        load_config(recipe)
+    assert "\n" not in str(caught.value)
+
+
+def test_recipe_that_is_not_utf8_is_a_config_error(tmp_path):
+    recipe = tmp_path / "r.yaml"
+    recipe.write_bytes(b"optim:\n  lr: \xff\xfe\n")
+    with pytest.raises(ConfigError, match="recipe"):
         load_config(recipe)
 
 

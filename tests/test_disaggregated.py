@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -34,7 +35,7 @@ from dflash_trainer.distributed.transport import (
 )
 from dflash_trainer.train import checkpoint as ckpt
 from dflash_trainer.train.profiler import StageStats
-from dflash_trainer.train.rank_report import bottleneck_line, merge_summaries
+from dflash_trainer.train.rank_report import PipelineDepth, bottleneck_line, merge_summaries, pipeline_verdict
 from dflash_trainer.train.schedule import (
     DataPosition,
     ResumeError,
@@ -46,6 +47,7 @@ from dflash_trainer.train.schedule import (
     target_slot,
 )
 from dflash_trainer.train.trainer import Trainer
+from test_failure import LIMIT_S, assert_every_rank_failed, run_failing
 from train_helpers import save_tiny_target, write_counting_shards, write_recipe
 
 SRC = Path(__file__).resolve().parents[1] / "src"
@@ -112,10 +114,19 @@ def test_bottleneck_names_the_role_that_keeps_the_other_waiting():
     assert summary["recv_wait"] == StageStats(4, 0.7, 0.5)
     merged = {"drafter2": summary, "target0": {"send_wait": StageStats(2, 0.05, 0.03)}}
     assert bottleneck_line(merged, interval_s=1.0).startswith(
-        "bottleneck: target-bound (idle fraction: drafter ranks 70%"
+        "bottleneck: target-bound (idle: target ranks 5% blocked on a full window, waiting for drafters; "
+        "drafter ranks 70% waiting for features)"
     )
+    # A target blocked on its window is waiting for drafters: drafter-bound, with the windows full.
     merged["target0"] = {"send_wait": StageStats(2, 0.9, 0.5)}
-    assert bottleneck_line(merged, interval_s=1.0).startswith("bottleneck: drafter-bound")
+    depth = PipelineDepth(queue_depth=4, sends=10, inflight_sum=39, takes=10, ahead_sum=38)
+    line = bottleneck_line(merged, interval_s=1.0, depth=depth)
+    assert line.startswith("bottleneck: drafter-bound (idle: target ranks 90%")
+    assert "in flight after a send 3.9 of queue_depth 4, received ahead 3.8" in line
+    assert "more drafter ranks" in line
+    assert pipeline_verdict(target_idle=0.04, drafter_idle=0.01) == "balanced"
+    assert pipeline_verdict(target_idle=0.04, drafter_idle=0.3) == "target-bound"
+    assert pipeline_verdict(target_idle=0.3, drafter_idle=0.3) == "drafter-bound"
 
 
 # ------------------------------------------------------------------------------------------ transport (2 ranks)
@@ -140,27 +151,35 @@ def _transport_rank(rank: int, store_file: str, out_dir: str) -> None:
         result = {"depths": depths, "wait_s": sender.stats.wait_s, "codes": board.wait_all()}
     else:
         time.sleep(0.6)  # the sender fills its window meanwhile and must wait
-        receiver = FeatureReceiver(header_group=None, payload_group=None, device=torch.device("cpu"))
-        got = []
+        receiver = FeatureReceiver(
+            sources=[0], queue_depth=2, header_group=None, payload_group=None, device=torch.device("cpu"), timeout_s=30
+        )
+        receiver.start(iter([0] * 6))
+        time.sleep(0.4)  # the thread receives 2 ahead (its queue is full), the sender refills its window
+        got, ready = [], []
         for _ in range(3):
+            before = receiver.stats.ahead_sum
             message = receiver.recv(0)
+            ready.append(receiver.stats.ahead_sum - before)
             i = message.meta["i"]
             assert message.meta["ids"] == [f"s{i}"]
             assert torch.equal(message.tensors["x"], torch.full((3, 4), float(i)))
             assert message.tensors["keep"].dtype == torch.bool and message.tensors["ids"].shape == (i,)
             got.append(i)
         notices = send_notices([0], NOTICE_STOP, group=None)
-        result = {"got": got, "dropped": receiver.drain(0)}
+        result = {"got": got, "ready": ready, "dropped": receiver.drain()}
         notices.wait()
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(result))
     dist.destroy_process_group()
 
 
-def test_transport_keeps_order_bounds_the_window_and_drains_after_a_stop(tmp_path):
+def test_transport_receives_ahead_keeps_order_bounds_both_sides_and_drains_after_a_stop(tmp_path):
     mp.spawn(_transport_rank, args=(str(tmp_path / "store"), str(tmp_path)), nprocs=2, join=True)
     sender = json.loads((tmp_path / "rank0.json").read_text())
     receiver = json.loads((tmp_path / "rank1.json").read_text())
-    assert receiver == {"got": [0, 1, 2], "dropped": 3}
+    assert receiver["got"] == [0, 1, 2] and receiver["dropped"] == 3
+    # Before the consumer's first take, its thread had received a full queue_depth ahead, never more.
+    assert receiver["ready"][0] == 2 and max(receiver["ready"]) <= 2
     assert max(sender["depths"]) == 2 and sender["depths"][:2] == [1, 2]
     assert sender["wait_s"] > 0.3
     assert sender["codes"] == {"1": NOTICE_STOP}
@@ -258,13 +277,38 @@ def slow_two_plus_one(cases):
     )
 
 
-def test_one_target_one_drafter_equals_one_process(cases):
-    run_dir, _ = cases.disaggregated("one-plus-one", cases.even, targets=1, drafters=1, grad_accum=2)
+def test_one_target_one_slow_drafter_equals_one_process_and_the_target_runs_ahead_then_waits(cases):
+    """The drafter rank (1) sleeps SLOW_S per step: the target fills the drafter's receive queue and then its own
+    window (queue_depth 2 each), blocks on the window, and the verdict says drafter-bound."""
+    metrics = {"log_every": 1, "tensorboard": False, "progress_bar": False, "plot_at_end": False}
+    run_dir, out = cases.disaggregated(
+        "one-plus-one",
+        cases.even,
+        targets=1,
+        drafters=1,
+        grad_accum=2,
+        placement={"queue_depth": 2},
+        metrics={**metrics, "profile_interval": 0.3},
+        env={"DFLASH_TEST_SLOW_RANK": f"1:{SLOW_S}"},
+    )
     reference = cases.reference(cases.even, grad_accum=2)
     assert_same_weights(final_weights(run_dir), final_weights(reference))
-    losses = [r["loss"] for r in read_metrics(run_dir)]
+    records = read_metrics(run_dir)
+    losses = [r["loss"] for r in records]
     assert losses == pytest.approx([r["loss"] for r in read_metrics(reference)], abs=1e-5)
     assert losses[-1] < 0.5 * losses[0], "the weights should have moved"
+    # Past the first steps every send finds the window full: the target runs ahead by queue_depth, no further.
+    inflight = [r["rank0/inflight"] for r in records if "rank0/inflight" in r]
+    assert max(inflight) == 2 and inflight[-1] == 2, inflight
+    # The drafter always finds batches received ahead when it asks (it takes a step's 2 back to back: the first
+    # finds the queue full, the second before the thread refilled it), never more than queue_depth.
+    ahead = [r["rank1/ahead"] for r in records if "rank1/ahead" in r]
+    assert min(ahead[1:]) >= 1 and max(ahead) <= 2, ahead
+    assert records[-1]["idle_target"] > 0.5 > records[-1]["idle_drafter"]
+    # The profile reports once the target has caught up (the first waits for the target's start), and the run.
+    assert re.findall(r"bottleneck: (\S+)", out)[-2:] == ["drafter-bound", "drafter-bound"], out
+    assert "pipeline over the run: bottleneck: drafter-bound" in out, out
+    assert "in flight after a send 2.0 of queue_depth 2" in out, out
 
 
 def test_one_target_two_drafters_equals_one_process_with_a_short_last_step(cases):
@@ -347,3 +391,31 @@ def test_resume_with_another_step_size_is_refused_and_the_same_one_continues(cas
     summary = Trainer(same, log=lambda _: None).fit()
     assert summary.steps == STEPS
     assert_same_weights(final_weights(cases.root / "one-process"), final_weights(cases.reference(cases.odd, 2)))
+
+
+@pytest.mark.slow
+def test_five_targets_three_drafters_a_killed_target_fails_every_rank_and_the_same_command_resumes(cases):
+    """The seed system's layout on gloo (8 processes): a target rank killed mid-run, while the drafters hold
+    receives posted ahead for it, fails all 8 ranks within LIMIT_S; the same command then resumes from the last
+    checkpoint and ends exactly where one process with grad_accum 3 does."""
+    placement = {"target_ranks": [0, 1, 2, 3, 4], "drafter_ranks": [5, 6, 7]}
+    recipe = cases.recipe(
+        "five-plus-three", cases.even, grad_accum=1, placement=placement, checkpoint={"every_steps": 2}
+    )
+    # Target 2 computes run-wide batches 2, 7, 12 (steps 1, 3, 5): it dies starting its batch of step 5.
+    out, seconds, status = run_failing(recipe, 8, "2:4:kill", "rank 2 kills itself")
+    assert status != 0
+    assert seconds < LIMIT_S, out
+    assert_every_rank_failed(out, 8)
+    assert "exitcode  : -9" in out
+    run_dir = cases.root / "five-plus-three"
+    interrupted_at = ckpt.latest_checkpoint(run_dir)
+    assert interrupted_at is not None and int(interrupted_at.name.split("-")[1]) in (2, 4), out
+
+    out = run_ok(recipe, 8)
+    assert f"resumed from {interrupted_at}" in out, out
+    reference = cases.reference(cases.even, grad_accum=3)
+    assert_same_weights(final_weights(run_dir), final_weights(reference))
+    records = read_metrics(run_dir)
+    assert [r["step"] for r in records] == list(range(1, STEPS + 1))
+    assert [r["loss"] for r in records] == pytest.approx([r["loss"] for r in read_metrics(reference)], abs=1e-5)

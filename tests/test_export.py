@@ -3,6 +3,7 @@ z-lab-style configs, training checkpoints, atomic replacement and clear errors."
 
 from __future__ import annotations
 
+import errno
 import json
 from pathlib import Path
 
@@ -12,8 +13,12 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from transformers import Qwen3Config
 
+from dflash_trainer import export as export_module
+from dflash_trainer.errors import OutputExistsError, StorageError
 from dflash_trainer.export import (
     CheckpointFormatError,
+    DrafterMismatchError,
+    check_drafter_fits_target,
     export_drafter,
     import_drafter,
     load_drafter_config,
@@ -113,7 +118,7 @@ def z_lab_tensor_names(num_layers: int) -> set[str]:
 def test_round_trip_float32_is_exact(tmp_path):
     config = drafter_config(layer_types=["sliding_attention", "full_attention", "sliding_attention"], sliding_window=6)
     drafter = random_drafter(config)
-    export_drafter(drafter, tmp_path / "out", dtype=torch.float32)
+    export_drafter(drafter, tmp_path / "out", dtype=torch.float32, accept_sliding_window_mismatch=True)
     loaded = import_drafter(tmp_path / "out")
     assert loaded.config == drafter.config
     torch.testing.assert_close(drafter_outputs(loaded), drafter_outputs(drafter), rtol=0, atol=0)
@@ -164,7 +169,7 @@ def test_transformers_reads_the_exported_config(tmp_path):
         sliding_window=16,
         sliding_causal_in_block=True,
     )
-    export_drafter(random_drafter(config), tmp_path / "out")
+    export_drafter(random_drafter(config), tmp_path / "out", accept_sliding_window_mismatch=True)
     hf = Qwen3Config.from_pretrained(tmp_path / "out")
     assert (hf.hidden_size, hf.num_hidden_layers, hf.head_dim, hf.num_key_value_heads) == (32, 3, 8, 2)
     assert hf.layer_types == ["full_attention", "sliding_attention", "full_attention"]
@@ -276,6 +281,48 @@ def test_export_replaces_an_earlier_export_but_not_other_directories(tmp_path):
     assert sorted(p.name for p in foreign.iterdir()) == ["metrics.jsonl"]
 
 
+def test_an_export_of_another_run_is_not_replaced_silently(tmp_path):
+    out = tmp_path / "out"
+    first = random_drafter(seed=0)
+    export_drafter(first, out, dtype=torch.float32, source=tmp_path / "run-a")
+    assert json.loads((out / "config.json").read_text())["exported_from"] == str(tmp_path / "run-a")
+    # The same run exports again (a later checkpoint): replaced.
+    export_drafter(random_drafter(seed=1), out, dtype=torch.float32, source=tmp_path / "run-a")
+    # Another run: refused, naming both; the export of run-a is untouched.
+    with pytest.raises(OutputExistsError, match=r"holds an export of .*run-a, not of .*run-b; .*--overwrite"):
+        export_drafter(first, out, dtype=torch.float32, source=tmp_path / "run-b")
+    assert json.loads((out / "config.json").read_text())["exported_from"] == str(tmp_path / "run-a")
+    export_drafter(first, out, dtype=torch.float32, source=tmp_path / "run-b", overwrite=True)
+    torch.testing.assert_close(drafter_outputs(import_drafter(out)), drafter_outputs(first), rtol=0, atol=0)
+
+
+def test_sliding_window_drafters_are_not_exported_unless_the_mismatch_is_accepted(tmp_path):
+    # Engines apply the window per query position; training anchors it at the block start (export.py).
+    config = drafter_config(layer_types=["full_attention", "sliding_attention", "full_attention"], sliding_window=16)
+    with pytest.raises(DrafterMismatchError, match=r"drafter layers \[1\] use a sliding window \(16\)"):
+        export_drafter(random_drafter(config), tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_full_disk_during_export_is_reported_and_leaves_nothing(tmp_path, monkeypatch):
+    def full_disk(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(export_module, "write_bytes", full_disk)
+    with pytest.raises(StorageError, match=r"cannot write the export to .*out .*no space left on the device"):
+        export_drafter(random_drafter(), tmp_path / "out")
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
+
+
+def test_drafter_of_another_target_is_refused_naming_both_sides():
+    config = drafter_config()  # hidden 32, vocab 96, 8 target layers
+    target = Qwen3Config(hidden_size=64, vocab_size=96, num_hidden_layers=8, num_attention_heads=4)
+    with pytest.raises(DrafterMismatchError, match=r"hidden size 32 \(drafter\) vs 64 \(target\)"):
+        check_drafter_fits_target(config, target, drafter_source="d", target_name="t")
+    target = Qwen3Config(hidden_size=32, vocab_size=96, num_hidden_layers=8, num_attention_heads=4)
+    check_drafter_fits_target(config, target, drafter_source="d", target_name="t")
+
+
 def test_training_checkpoint_config_and_weights(tmp_path):
     config = drafter_config(layer_types=["sliding_attention"] * 3, sliding_window=8, sliding_causal_in_block=True)
     drafter = random_drafter(config)
@@ -297,7 +344,7 @@ def test_vllm_causal_flag_round_trips(tmp_path):
     all_sliding_causal = drafter_config(
         layer_types=["sliding_attention"] * 3, sliding_window=8, sliding_causal_in_block=True
     )
-    export_drafter(random_drafter(all_sliding_causal), tmp_path / "out")
+    export_drafter(random_drafter(all_sliding_causal), tmp_path / "out", accept_sliding_window_mismatch=True)
     config = json.loads((tmp_path / "out" / "config.json").read_text())
     assert config["dflash_config"]["causal"] is True
     # A checkpoint written for vLLM only (no key of ours): its `causal` flag decides.

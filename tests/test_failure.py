@@ -98,3 +98,18 @@ def test_a_raising_colocated_rank_fails_the_other(tmp_path, data):
     assert seconds < LIMIT_S, out
     assert_every_rank_failed(out, 2)
     assert out.count("RuntimeError: DFLASH_TEST_FAIL_AT_STEP: injected failure on rank 0") == 1, out
+
+
+def test_a_rank_whose_checkpoint_write_fails_fails_the_job_cleanly(tmp_path, data, monkeypatch):
+    """Rank 0 writes the checkpoints; a full disk there (DFLASH_TEST_DISK_FULL) must end every rank within
+    seconds with one line naming the problem (a user error: no traceback), and leave no `.tmp` behind."""
+    target, shards = data
+    recipe = write_recipe(tmp_path / "r.yaml", tmp_path / "run", target, shards, checkpoint={"every_steps": 2})
+    monkeypatch.setenv("DFLASH_TEST_DISK_FULL", "checkpoint")
+    out, seconds, status = run_failing(recipe, 2, "", "[rank 0] error: cannot write checkpoint step-00000002")
+    assert status != 0
+    assert seconds < LIMIT_S, out
+    assert_every_rank_failed(out, 2)
+    assert "no space left on the device" in out and "[rank 0] failed; the job stops" not in out, out
+    assert "[rank 1] stopping because rank 0 failed" in out
+    assert sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir()) == []

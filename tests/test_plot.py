@@ -8,7 +8,8 @@ import math
 import numpy as np
 import pytest
 
-from dflash_trainer.train.plot import _smoothed, plot_run
+from dflash_trainer.cli import main
+from dflash_trainer.train.plot import PlotError, _smoothed, plot_run
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -74,8 +75,18 @@ def test_accuracy_without_per_slot_lists_and_no_plottable_metrics(tmp_path):
 
 
 def test_missing_metrics_file_names_the_path(tmp_path):
-    with pytest.raises(FileNotFoundError, match=r"metrics\.jsonl"):
+    with pytest.raises(PlotError, match=r"metrics\.jsonl: no metrics file"):
         plot_run(tmp_path)
+
+
+@pytest.mark.parametrize("content", ["", '{"step": 1, "lo', "not json at all\n\x00\x01"])
+def test_a_torn_or_empty_metrics_file_is_an_error_not_silence(tmp_path, content, capsys):
+    (tmp_path / "metrics.jsonl").write_text(content)
+    with pytest.raises(PlotError, match="no complete metrics record"):
+        plot_run(tmp_path)
+    assert main(["plot", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and "no complete metrics record" in err and "Traceback" not in err
 
 
 def test_moving_average_matches_a_direct_window_mean():

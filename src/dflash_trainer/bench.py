@@ -1,15 +1,25 @@
 """`dflash-trainer bench`: time real training steps of the trainer on synthetic data.
 
-The target is a randomly initialised model of a given HF architecture (by default Qwen3-8B's shape, the paper's
-setting) built directly on the device, so no weights are needed. Shards of random tokens in documents of the given
-lengths are packed into rows by the normal sampler. Two phases, both through `Trainer._optimizer_step`:
+The target is a randomly initialised model of the recipe's target shape, built directly on the device, so no
+weights are needed: Qwen3-8B's shape (the paper's setting, `recipes/bench-qwen3-8b.yaml`) or, when the recipe
+names SmolLM2, SmolLM2-135M's (Llama: hidden 576, 30 layers, 9 heads, 3 KV heads, intermediate 1536,
+vocab 49152, tied embeddings; `recipes/bench-smollm2.yaml`). Documents of random tokens are packed into rows by
+the normal sampler: the paper's fixed 3072 + 3072 + 2048 fully supervised documents, or for SmolLM2 documents of
+150-700 tokens whose first 20-45% is an unsupervised prompt (like the regenerated GSM8K data).
 
-- drafter only: the target features of one batch are computed once and replayed (what a disaggregated drafter
+Phases, each through the trainer's own step (`Trainer._optimizer_step`):
+- drafter_only: the target features of one batch are computed once and replayed (what a disaggregated drafter
   rank does when features arrive for free);
-- end to end: target forward + drafter step, the colocated training step.
+- end_to_end: the colocated training step fed by the real data path (`Trainer._step_groups`: the prefetch
+  worker, non-blocking copies), target forward included;
+- one end_to_end phase per `--ablation NAME:key=value,...`: a new trainer with those overrides (same target), so
+  the effect of each optimisation is measured in the same call.
 
-Timing follows benchmarks/METHOD: warm-up steps first (compilation), then the median of timed steps, each
-bracketed by device synchronisation. Results go to stdout and, with `--out`, to a JSON file.
+Per phase: median step time, target tokens/s, MFU, peak memory, the first step's time (compilation), the number
+of dynamo compilations after warm-up (any is a recompile), and the per-stage profile of a few more steps run with
+the stage profiler on (it synchronises after every stage, so those steps are slower; the shares are what count).
+Timing follows benchmarks/METHOD: warm-up steps first, then the median of timed steps, each bracketed by device
+synchronisation. Results go to stdout and, with `--out`, to a JSON file.
 """
 
 from __future__ import annotations
@@ -18,7 +28,8 @@ import json
 import statistics
 import tempfile
 import time
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -30,7 +41,8 @@ from .config import RunConfig, load_config
 from .data.shards import ShardWriter
 from .target.loader import LoadedTarget
 from .train.metrics import measured_peak_flops
-from .train.trainer import Trainer
+from .train.profiler import StageProfiler
+from .train.trainer import StepWork, Trainer
 
 QWEN3_8B = dict(
     model_type="qwen3",
@@ -46,6 +58,24 @@ QWEN3_8B = dict(
     tie_word_embeddings=False,
 )
 
+SMOLLM2_135M = dict(
+    model_type="llama",
+    vocab_size=49152,
+    hidden_size=576,
+    intermediate_size=1536,
+    num_hidden_layers=30,
+    num_attention_heads=9,
+    num_key_value_heads=3,
+    head_dim=64,
+    max_position_embeddings=8192,
+    rope_parameters={"rope_type": "default", "rope_theta": 100000.0},
+    rms_norm_eps=1e-5,
+    tie_word_embeddings=True,
+)
+
+# Steps of the profiled pass after the timed ones.
+PROFILED_STEPS = 3
+
 
 @dataclass
 class PhaseResult:
@@ -58,6 +88,36 @@ class PhaseResult:
     mfu: float | None
     peak_mem_gib: float
     first_step_s: float
+    recompiles_after_warmup: int
+    # Stage -> average ms per step over the profiled steps.
+    stages_ms: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
+class Setting:
+    architecture: dict
+    # One document list per packed row source: (length, supervised from this position on).
+    documents: Callable[[np.random.Generator], list[tuple[int, int]]]
+
+
+def paper_documents(rng: np.random.Generator) -> list[tuple[int, int]]:
+    return [(3072, 0), (3072, 0), (2048, 0)]
+
+
+def smollm2_documents(rng: np.random.Generator) -> list[tuple[int, int]]:
+    """About 40 documents (one 16K-token step) of 150-700 tokens, the first 20-45% an unsupervised prompt."""
+    docs = []
+    for _ in range(40):
+        length = int(rng.integers(150, 701))
+        docs.append((length, int(length * rng.uniform(0.2, 0.45))))
+    return docs
+
+
+def setting_for(config: RunConfig) -> Setting:
+    """The recipe's target name picks the shape (the target itself is never loaded)."""
+    if "smollm2" in config.target.name_or_path.lower():
+        return Setting(SMOLLM2_135M, smollm2_documents)
+    return Setting(QWEN3_8B, paper_documents)
 
 
 def random_target(device: torch.device, dtype: torch.dtype, architecture: dict) -> LoadedTarget:
@@ -79,48 +139,73 @@ def random_target(device: torch.device, dtype: torch.dtype, architecture: dict) 
     )
 
 
-def write_synthetic_shards(out_dir: Path, *, doc_lens: list[int], rows: int, vocab: int, seed: int = 0) -> Path:
+def write_synthetic_shards(out_dir: Path, *, setting: Setting, groups: int, vocab: int, seed: int = 0) -> Path:
     rng = np.random.default_rng(seed)
     with ShardWriter(out_dir, tokenizer_name="synthetic", vocab_size=vocab) as writer:
-        for row in range(rows):
-            for d, length in enumerate(doc_lens):
+        for group in range(groups):
+            for d, (length, supervised_from) in enumerate(setting.documents(rng)):
                 ids = rng.integers(0, vocab - vocab // 16, size=length)  # spare the top rows (mask token)
-                writer.add(f"r{row}-d{d}", ids, np.ones(length, dtype=np.uint8))
+                mask = (np.arange(length) >= supervised_from).astype(np.uint8)
+                writer.add(f"g{group}-d{d}", ids, mask)
     return out_dir
 
 
-def time_steps(trainer: Trainer, batches: list, *, warmup: int, steps: int, name: str) -> PhaseResult:
+def compiled_frames() -> int:
+    """Frames dynamo has compiled so far in this process (a compilation after warm-up is a recompile)."""
+    from torch._dynamo.utils import counters
+
+    return int(counters["frames"]["ok"])
+
+
+def time_steps(
+    trainer: Trainer, works: Iterator[StepWork], *, warmup: int, steps: int, name: str, drafter_only: bool = False
+) -> PhaseResult:
     device = trainer.device
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
+
+    def run(work: StepWork) -> None:
+        trainer._optimizer_step(work.batches, outputs=work.outputs, loss_scale=work.loss_scale)
+
     started = time.perf_counter()
-    trainer._optimizer_step([batches[0]])
+    run(next(works))
     sync()
     first_step_s = time.perf_counter() - started
-    for i in range(1, warmup):
-        trainer._optimizer_step([batches[i % len(batches)]])
+    for _ in range(1, warmup):
+        run(next(works))
     sync()
+    frames = compiled_frames()
     times, tokens, blocks = [], [], []
-    for i in range(steps):
-        batch = batches[(warmup + i) % len(batches)]
+    for _ in range(steps):
+        work = next(works)
         sync()
         start = time.perf_counter()
-        trainer._optimizer_step([batch])
+        run(work)
         sync()
         times.append(time.perf_counter() - start)
-        tokens.append(batch.num_tokens)
-        blocks.append(batch.num_blocks)
+        tokens.append(sum(b.num_tokens for b in work.batches))
+        blocks.append(sum(b.num_blocks for b in work.batches))
+    recompiles = compiled_frames() - frames
+    trainer._settle_flags()
     median = statistics.median(times)
     tokens_per_step = float(np.mean(tokens))
     peak = measured_peak_flops(device)
     mfu = None
     if peak is not None:
         flops = trainer.flops_per_token(float(np.sum(blocks)) / float(np.sum(tokens)))
-        if name.startswith("drafter_only"):  # no target forward in this phase
+        if drafter_only:  # no target forward in this phase
             flops -= trainer.flops_per_token(0.0)
         mfu = tokens_per_step / median * flops / peak
     mem = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else float("nan")
+    # A few more steps with the stage profiler on (it synchronises after every stage).
+    real_profiler = trainer.profiler
+    trainer.profiler = StageProfiler(3600.0, device=device, sink=lambda _: None)
+    for _ in range(PROFILED_STEPS):
+        run(next(works))
+    trainer._settle_flags()
+    stages = {stage: 1e3 * stats.sum_s / PROFILED_STEPS for stage, stats in trainer.profiler.summary().items()}
+    trainer.profiler = real_profiler
     return PhaseResult(
         name=name,
         step_ms_median=median * 1e3,
@@ -131,6 +216,8 @@ def time_steps(trainer: Trainer, batches: list, *, warmup: int, steps: int, name
         mfu=mfu,
         peak_mem_gib=mem,
         first_step_s=first_step_s,
+        recompiles_after_warmup=recompiles,
+        stages_ms=stages,
     )
 
 
@@ -141,10 +228,27 @@ def bench_config(recipe: Path | None, overrides: list[str], shards: Path, run_di
         "metrics.tensorboard=false",
         "metrics.progress_bar=false",
         "checkpoint.resume=none",
-        # Compiled layers are timed as a second phase against the eager ones.
-        "drafter.compile=false",
     ]
     return load_config(recipe, [*defaults, *overrides])
+
+
+def replay(work: StepWork, features) -> Iterator[StepWork]:
+    """The same step forever, with its target features precomputed."""
+    while True:
+        yield StepWork(batches=work.batches, outputs=[features], loss_scale=1.0)
+
+
+def live_steps(trainer: Trainer) -> Iterator[StepWork]:
+    """The trainer's own data path (prefetch worker, non-blocking copies); the profiler times its stages."""
+    yield from trainer._step_groups()
+
+
+def parse_ablation(text: str) -> tuple[str, list[str]]:
+    """`name:key=value,key=value` -> (name, overrides)."""
+    name, _, rest = text.partition(":")
+    if not name or not rest:
+        raise ValueError(f"--ablation {text!r}: expected NAME:key=value[,key=value...]")
+    return name, rest.split(",")
 
 
 def run_bench(
@@ -153,49 +257,65 @@ def run_bench(
     overrides: list[str],
     steps: int,
     warmup: int,
-    doc_lens: tuple[int, ...] = (3072, 3072, 2048),
-    architecture: dict | None = None,
     out: Path | None = None,
-    compare_compiled: bool = True,
+    ablations: list[str] = (),
 ) -> list[PhaseResult]:
-    architecture = architecture or QWEN3_8B
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    parsed = [parse_ablation(text) for text in ablations]
     with tempfile.TemporaryDirectory() as tmp:
+        probe = bench_config(recipe, overrides, Path(tmp) / "shards", Path(tmp) / "run")
+        setting = setting_for(probe)
+        # Enough steps for the end-to-end phases: warm-up, timed and profiled steps, and some slack.
+        groups = 2 * (warmup + steps + PROFILED_STEPS + 2)
         shards = write_synthetic_shards(
-            Path(tmp) / "shards", doc_lens=list(doc_lens), rows=warmup + steps + 2, vocab=architecture["vocab_size"]
+            Path(tmp) / "shards", setting=setting, groups=groups, vocab=setting.architecture["vocab_size"]
         )
-        config = bench_config(recipe, overrides, shards, Path(tmp) / "run")
-        target = random_target(device, dtype, architecture)
-        trainer = Trainer(config, target=target, log=print)
-        trainer.start_log_window()
-        plans = list(trainer.sampler)
-        batches = [trainer._make_batch(plan) for plan in plans]
-        print(
-            f"bench: {len(batches)} batches, {np.mean([b.num_tokens for b in batches]):.0f} tokens and "
-            f"{np.mean([b.num_blocks for b in batches]):.0f} blocks per step, block {trainer.model_config.block_size}, "
-            f"drafter layers {trainer.model_config.num_hidden_layers}, backend {trainer.backend}"
-        )
+        target = random_target(device, dtype, setting.architecture)
         results = []
-        # Drafter only: replay one batch's features.
-        cached = trainer.capture.capture(batches[0].input_ids, batches[0].position_ids, batches[0].doc_ids)
-        real_capture = trainer.capture.capture
-        trainer.capture.capture = lambda *args, **kwargs: cached
-        same_batch = [batches[0]]
-        results.append(time_steps(trainer, same_batch, warmup=warmup, steps=steps, name="drafter_only"))
-        if compare_compiled and device.type == "cuda":
-            trainer.drafter.compile_layers()
-            name = "drafter_only_compiled"
-            results.append(time_steps(trainer, same_batch, warmup=warmup, steps=steps, name=name))
-        trainer.capture.capture = real_capture
-        results.append(time_steps(trainer, batches, warmup=warmup, steps=steps, name="end_to_end"))
+        for index, (name, extra) in enumerate([("", []), *parsed]):
+            config = bench_config(recipe, [*overrides, *extra], shards, Path(tmp) / f"run{index}")
+            trainer = Trainer(config, target=target, log=print)
+            trainer.start_log_window()
+            if index == 0:
+                batch = trainer.make_batch(next(iter(trainer.sampler)))
+                print(
+                    f"bench: {trainer.total_steps} steps available, {batch.num_tokens} tokens and {batch.num_blocks} "
+                    f"blocks in the first batch (shape {tuple(batch.input_ids.shape)}, {batch.anchors.shape[1]} "
+                    f"anchor slots per row), block {trainer.model_config.block_size}, drafter layers "
+                    f"{trainer.model_config.num_hidden_layers}, backend {trainer.backend}"
+                )
+                features = trainer.capture.capture(batch.input_ids, batch.position_ids, batch.doc_ids)
+                work = StepWork(batches=[batch], outputs=[None], loss_scale=1.0)
+                results.append(
+                    time_steps(
+                        trainer,
+                        replay(work, features),
+                        warmup=warmup,
+                        steps=steps,
+                        name="drafter_only",
+                        drafter_only=True,
+                    )
+                )
+                trainer = Trainer(config, target=target, log=print)
+                trainer.start_log_window()
+            phase = "end_to_end" + (f"[{name}]" if name else "")
+            steps_iter = live_steps(trainer)
+            results.append(time_steps(trainer, steps_iter, warmup=warmup, steps=steps, name=phase))
+            steps_iter.close()
+    print_table(results)
+    if out is not None:
+        out.write_text(json.dumps([asdict(r) for r in results], indent=2))
+    return results
+
+
+def print_table(results: list[PhaseResult]) -> None:
     for r in results:
         mfu = f"{100 * r.mfu:.1f}%" if r.mfu is not None else "n/a"
         print(
-            f"{r.name:>22}: {r.step_ms_median:8.1f} ms/step (min {r.step_ms_min:.1f}, max {r.step_ms_max:.1f}) | "
+            f"{r.name:>32}: {r.step_ms_median:8.1f} ms/step (min {r.step_ms_min:.1f}, max {r.step_ms_max:.1f}) | "
             f"{r.tokens_per_s:9.0f} target tok/s | MFU {mfu} | peak {r.peak_mem_gib:.1f} GiB | "
-            f"first step {r.first_step_s:.1f}s"
+            f"first step {r.first_step_s:.1f}s | recompiles {r.recompiles_after_warmup}"
         )
-    if out is not None:
-        out.write_text(json.dumps([r.__dict__ for r in results], indent=2))
-    return results
+        stages = " ".join(f"{stage} {ms:.1f}" for stage, ms in sorted(r.stages_ms.items(), key=lambda kv: -kv[1]))
+        print(f"{'':>32}  stages (ms/step, profiled): {stages}")

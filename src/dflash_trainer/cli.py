@@ -1,16 +1,37 @@
-"""`dflash-trainer` subcommands: parse arguments, dispatch, nothing else."""
+"""`dflash-trainer` subcommands: parse arguments, dispatch, report errors; nothing else.
+
+Errors. A `UserError` (bad recipe, missing file, full disk, checkpoint of another run...) prints one line,
+`error: MESSAGE` (`config error: ...` for the config), and exits with status 2; so does an OSError of the storage
+that escaped a writer. Any other exception is a bug: its traceback is printed with a request to report it, and the
+exit status is 1. Ctrl-C exits with 130.
+
+`train` and `bench` take options and `key=value` overrides in any order (`train RECIPE --nproc 8 optim.lr=1e-4`):
+they are parsed with `parse_intermixed_args`, which argparse cannot apply to the parser with subcommands itself.
+"""
 
 from __future__ import annotations
 
 import argparse
+import difflib
 import os
 import sys
+import traceback
 from pathlib import Path
 
 from .config import ConfigError, describe_keys, load_config
+from .errors import UserError, is_storage_error, storage_error
 
 RECIPES_DIR = Path(__file__).resolve().parents[2] / "recipes"
 DEFAULT_RECIPE = "smollm2-135m"
+# What `train` runs without a recipe on a machine with a CUDA device.
+DEFAULT_GPU_RECIPE = "smollm2-135m-gpu"
+DEFAULT_BENCH_RECIPE = "bench-qwen3-8b"
+# Subcommands whose positionals (recipe, overrides) may come after options.
+INTERMIXED = ("train", "bench")
+BUG_REPORT = (
+    "This is a bug in dflash-trainer, not a problem with your input: please report it with the command you ran "
+    "and the traceback above."
+)
 
 
 def resolve_recipe(recipe: str | None) -> Path:
@@ -22,8 +43,24 @@ def resolve_recipe(recipe: str | None) -> Path:
     candidate = RECIPES_DIR / f"{name}.yaml"
     if not candidate.is_file():
         known = sorted(p.stem for p in RECIPES_DIR.glob("*.yaml"))
-        raise ConfigError(f"recipe {name!r}: not a file and not one of {known} in {RECIPES_DIR}")
+        close = difflib.get_close_matches(name, known, n=1)
+        hint = f"did you mean {close[0]!r}? " if close else ""
+        raise ConfigError(f"recipe {name!r}: not a file and not one of {known} in {RECIPES_DIR}; {hint}".rstrip("; "))
     return candidate
+
+
+def default_train_recipe(cuda_available: bool) -> tuple[str, str]:
+    """(the recipe `train` runs when none is named, the line that says so first): the GPU recipe where there is a
+    CUDA device, the 2-core CPU demonstration elsewhere."""
+    if cuda_available:
+        return DEFAULT_GPU_RECIPE, (
+            f"no recipe given and a CUDA device is present: running recipes/{DEFAULT_GPU_RECIPE}.yaml (the main job "
+            f"on one GPU; name a recipe to choose another, e.g. `dflash-trainer train {DEFAULT_RECIPE}`)"
+        )
+    return DEFAULT_RECIPE, (
+        f"no recipe given and no CUDA device: running recipes/{DEFAULT_RECIPE}.yaml, a demonstration of the whole "
+        f"pipeline sized for 2 CPU cores (a useful drafter needs the GPU recipe {DEFAULT_GPU_RECIPE}; README results)"
+    )
 
 
 def keys_help() -> str:
@@ -53,6 +90,12 @@ def without_option(argv: list[str], option: str) -> list[str]:
 
 def cmd_train(args: argparse.Namespace) -> int:
     recipe, overrides = split_recipe_and_overrides(args.items)
+    if recipe is None:
+        import torch
+
+        recipe, line = default_train_recipe(torch.cuda.is_available())
+        if os.environ.get("LOCAL_RANK", "0") == "0":
+            print(line, flush=True)
     if args.resume:
         overrides.append(f"checkpoint.resume={args.resume}")
     if args.profile_interval is not None:
@@ -63,7 +106,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         from .launch import run_torchrun
 
         check_placement(config.placement, args.nproc)
-        return run_torchrun(args.nproc, without_option(sys.argv[1:], "--nproc"))
+        return run_torchrun(args.nproc, without_option(args.argv, "--nproc"))
     from .launch import train_rank
 
     return train_rank(config)
@@ -119,14 +162,31 @@ def cmd_eval(args: argparse.Namespace) -> int:
 def cmd_export(args: argparse.Namespace) -> int:
     from .train.pipeline import export_command
 
-    export_command(checkpoint=args.checkpoint, out_dir=args.out, dtype=args.dtype)
+    export_command(
+        checkpoint=args.checkpoint,
+        out_dir=args.out,
+        dtype=args.dtype,
+        overwrite=args.overwrite,
+        accept_sliding_window_mismatch=args.accept_sliding_window_mismatch,
+    )
+    return 0
+
+
+def cmd_convert_checkpoint(args: argparse.Namespace) -> int:
+    from .train.checkpoint import convert_legacy_checkpoint
+
+    for path in args.checkpoints:
+        print(f"converted {convert_legacy_checkpoint(path)}")
     return 0
 
 
 def cmd_plot(args: argparse.Namespace) -> int:
-    from .train.plot import plot_run
+    from .train.plot import PlotError, plot_run
 
-    for path in plot_run(args.run_dir):
+    paths = plot_run(args.run_dir)
+    if not paths:
+        raise PlotError(f"{args.run_dir}: its metrics hold none of loss, acc, tau, lr: nothing to plot")
+    for path in paths:
         print(path)
     return 0
 
@@ -134,18 +194,20 @@ def cmd_plot(args: argparse.Namespace) -> int:
 def cmd_bench(args: argparse.Namespace) -> int:
     from .bench import run_bench
 
+    recipe, overrides = split_recipe_and_overrides(args.items)
     run_bench(
-        recipe=resolve_recipe(args.recipe or "bench-qwen3-8b"),
-        overrides=args.overrides,
+        recipe=resolve_recipe(recipe or DEFAULT_BENCH_RECIPE),
+        overrides=overrides,
         steps=args.steps,
         warmup=args.warmup,
         out=args.out,
+        ablations=args.ablation,
     )
     return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="dflash-trainer", description=__doc__)
+    parser = argparse.ArgumentParser(prog="dflash-trainer", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
 
     train = sub.add_parser(
@@ -153,8 +215,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="train a drafter from a recipe",
         formatter_class=argparse.RawDescriptionHelpFormatter,
         description="dflash-trainer train [RECIPE] [key.path=value ...]\n\n"
-        f"RECIPE is a YAML file or a name in recipes/ (default {DEFAULT_RECIPE}).\n\nConfig keys and defaults:\n"
-        + keys_help(),
+        f"RECIPE is a YAML file or a name in recipes/ (default {DEFAULT_GPU_RECIPE} where a CUDA device is present, "
+        f"else {DEFAULT_RECIPE}).\n\nConfig keys and defaults:\n" + keys_help(),
     )
     train.add_argument("items", nargs="*", help="recipe, then overrides like optim.lr=3e-4")
     train.add_argument("--resume", help="resume from this checkpoint directory (default: newest in run_dir)")
@@ -198,32 +260,82 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("checkpoint", help="training checkpoint directory or run dir (newest checkpoint)")
     export.add_argument("--out", required=True)
     export.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
+    export.add_argument("--overwrite", action="store_true", help="replace an export of another run at --out")
+    export.add_argument(
+        "--accept-sliding-window-mismatch",
+        action="store_true",
+        help="export a drafter with sliding-window layers although vLLM / SGLang apply the window differently",
+    )
     export.set_defaults(run=cmd_export)
+
+    convert = sub.add_parser(
+        "convert-checkpoint",
+        help="rewrite checkpoints of earlier versions (trainer.pt, a pickle) in the current format",
+        description="Only for checkpoints you trust: trainer.pt is read with PyTorch's restricted loader "
+        "(torch.load weights_only=True, numpy arrays allowed) and replaced by JSON + safetensors files.",
+    )
+    convert.add_argument("checkpoints", nargs="+", help="checkpoint directories (RUN_DIR/checkpoints/step-*)")
+    convert.set_defaults(run=cmd_convert_checkpoint)
 
     plot = sub.add_parser("plot", help="draw loss / accuracy / tau curves of a run as PNG")
     plot.add_argument("run_dir")
     plot.set_defaults(run=cmd_plot)
 
-    bench = sub.add_parser("bench", help="time training steps on synthetic data (GPU benchmark)")
-    bench.add_argument("recipe", nargs="?", default=None)
-    bench.add_argument("overrides", nargs="*")
+    bench = sub.add_parser(
+        "bench",
+        help="time training steps on synthetic data (GPU benchmark)",
+        description=f"dflash-trainer bench [RECIPE] [key.path=value ...] (default recipe {DEFAULT_BENCH_RECIPE})",
+    )
+    bench.add_argument("items", nargs="*", help="recipe, then overrides like optim.lr=3e-4")
     bench.add_argument("--steps", type=int, default=10)
     bench.add_argument("--warmup", type=int, default=3)
     bench.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
+    bench.add_argument(
+        "--ablation", action="append", default=[], help="NAME:key=value,...: one more end-to-end phase with these"
+    )
     bench.set_defaults(run=cmd_bench)
     return parser
 
 
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    """Parse a command line; `train` and `bench` accept options between and after their positionals."""
+    parser = build_parser()
+    if argv and argv[0] in INTERMIXED:
+        subparsers = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+        args = subparsers.choices[argv[0]].parse_intermixed_args(argv[1:])
+        args.command = argv[0]
+    else:
+        args = parser.parse_args(argv)
+    args.argv = argv  # `train --nproc` starts its ranks with the same command line
+    return args
+
+
 def main(argv: list[str] | None = None) -> int:
     # Weights and data come from local files and installed packages; never reach for a model hub unless the
-    # user explicitly allows it (HF_HUB_OFFLINE=0).
+    # user explicitly allows it (HF_HUB_OFFLINE=0). Importing the package sets the same default.
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    args = build_parser().parse_args(argv)
+    args = parse_args(sys.argv[1:] if argv is None else list(argv))
     try:
         return args.run(args)
     except ConfigError as error:
         print(f"config error: {error}", file=sys.stderr)
         return 2
+    except UserError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
     except KeyboardInterrupt as interrupt:
         print(f"interrupted ({interrupt or 'SIGINT'}); run the same command again to resume", file=sys.stderr)
         return 130
+    except OSError as error:
+        if not is_storage_error(error):
+            return _report_bug()
+        print(f"error: {storage_error('output', error.filename or Path.cwd(), error)}", file=sys.stderr)
+        return 2
+    except Exception:
+        return _report_bug()
+
+
+def _report_bug() -> int:
+    traceback.print_exc()
+    print(BUG_REPORT, file=sys.stderr)
+    return 1

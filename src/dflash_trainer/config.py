@@ -18,8 +18,10 @@ from typing import Any, Literal, get_args, get_origin
 
 import yaml
 
+from .errors import UserError
 
-class ConfigError(ValueError):
+
+class ConfigError(UserError, ValueError):
     """A recipe or override names an unknown key or gives a value of the wrong type or range."""
 
 
@@ -33,6 +35,9 @@ class TargetConfig:
     # Where converted GGUF targets are cached; default ~/.cache/dflash-trainer.
     cache_dir: str | None = None
     attn_implementation: str = "sdpa"
+    # The decoder's linear layers in FP8 for feature capture in training (bf16 target, GPU with FP8 tensor cores);
+    # evaluation and regeneration load the target unquantised.
+    fp8: bool = False
 
 
 @dataclass
@@ -51,22 +56,46 @@ class DrafterConfig:
     sliding_window: int | None = None
     # Serving engines differ on this (vLLM treats sliding layers of z-lab checkpoints as causal in-block).
     sliding_causal_in_block: bool = False
+    # Sliding layers are trained with the window anchored at the block start; vLLM and SGLang apply it per query
+    # position, so such a drafter computes differently when served and its export is refused. True: train and
+    # export it anyway (for our own evaluation, or an engine patched to anchor the window).
+    accept_sliding_window_mismatch: bool = False
     # `auto`: flex_attention on CUDA, SDPA with a dense mask elsewhere (flex has no CPU backward).
     attention_backend: Literal["auto", "flex", "sdpa"] = "auto"
     # Start from an exported DFlash checkpoint (directory) instead of random weights.
     init_from: str | None = None
     # torch.compile each drafter layer on CUDA (fuses norms, RoPE, SwiGLU; ~16% faster steps, less memory).
     compile: bool = True
+    # torch.compile mode of the drafter layers ("reduce-overhead" adds CUDA graphs, one per shape bucket).
+    compile_mode: Literal["default", "max-autotune-no-cudagraphs", "reduce-overhead"] = "default"
+    # flex BlockMasks from tile tables computed from the anchors in the data stage ("anchors"), or by
+    # evaluating the mask on the whole grid with create_block_mask ("mask_mod", the reference).
+    mask_builder: Literal["anchors", "mask_mod"] = "anchors"
 
     def validate(self) -> None:
         _require(self.num_layers >= 1, "drafter.num_layers", "must be >= 1")
         _require(self.block_size >= 2, "drafter.block_size", "must be >= 2")
         _require(self.num_target_features >= 1, "drafter.num_target_features", "must be >= 1")
+        if self.target_layer_ids is not None:
+            _require(bool(self.target_layer_ids), "drafter.target_layer_ids", "must name at least one layer")
+            _require(min(self.target_layer_ids) >= 0, "drafter.target_layer_ids", "layer ids must be >= 0")
+        _require(self.mask_token_id is None or self.mask_token_id >= 0, "drafter.mask_token_id", "must be >= 0")
+        _require(
+            self.intermediate_size is None or self.intermediate_size >= 1, "drafter.intermediate_size", "must be >= 1"
+        )
         if self.sliding_layers:
             _require(
                 self.sliding_window is not None and self.sliding_window > 0,
                 "drafter.sliding_window",
                 "must be a positive window when drafter.sliding_layers is set",
+            )
+            _require(
+                self.accept_sliding_window_mismatch,
+                "drafter.sliding_layers",
+                "sliding-window layers are trained with the window anchored at the block start, but vLLM and "
+                "SGLang apply it per query position, so the served drafter would compute differently and its "
+                "export is refused; drop drafter.sliding_layers, or set "
+                "drafter.accept_sliding_window_mismatch=true to train (and export) it anyway",
             )
             for i in self.sliding_layers:
                 _require(
@@ -89,6 +118,28 @@ class DataConfig:
     overlong: Literal["truncate", "skip"] = "truncate"
     max_anchors: int = 512
     seed: int = 0
+    # Refuse shards whose manifest records another tokenizer (vocabulary fingerprint) than the target's.
+    check_tokenizer: bool = True
+    # Shape buckets: row length padded to a multiple of seq_multiple, anchors per row to a multiple of
+    # anchor_multiple (padding is masked out), so compiled code meets few shapes. 1 = no padding; 0 = auto:
+    # 128 and 16 on a GPU (flex attention's tile), no padding on the CPU (nothing compiled there).
+    seq_multiple: int = 0
+    anchor_multiple: int = 0
+    # Optimizer steps of batches prepared ahead on a background thread (0: on the training thread).
+    prefetch_steps: int = 2
+
+    def validate(self) -> None:
+        _require(self.max_seq_len >= 1, "data.max_seq_len", "must be >= 1")
+        _require(
+            self.token_budget >= self.max_seq_len,
+            "data.token_budget",
+            f"must be >= data.max_seq_len ({self.max_seq_len}) so that every row fits in a batch",
+        )
+        _require(self.max_batch_size >= 1, "data.max_batch_size", "must be >= 1")
+        _require(self.max_anchors >= 1, "data.max_anchors", "must be >= 1")
+        _require(self.seq_multiple >= 0, "data.seq_multiple", "must be >= 0")
+        _require(self.anchor_multiple >= 0, "data.anchor_multiple", "must be >= 0")
+        _require(self.prefetch_steps >= 0, "data.prefetch_steps", "must be >= 0")
 
 
 @dataclass
@@ -100,6 +151,8 @@ class LossConfig:
     label_source: Literal["data", "target_argmax", "soft"] = "data"
     # Blocks per loss chunk: bounds the [chunk * block, vocab] logits that exist at once.
     chunk_blocks: int = 64
+    # torch.compile the per-chunk LM head + loss on CUDA (fuses the softmax, CE, argmax and gradient passes).
+    compile: bool = True
 
     def validate(self) -> None:
         _require(self.gamma is None or self.gamma > 0, "loss.gamma", "must be > 0")
@@ -112,6 +165,9 @@ class NoiseConfig:
     type: Literal["none", "uniform", "gaussian"] = "none"
     start: float = 0.0
     end: float = 0.0
+
+    def validate(self) -> None:
+        _require(self.start >= 0 and self.end >= 0, "noise", "start and end must be >= 0")
 
 
 @dataclass
@@ -127,6 +183,11 @@ class OptimConfig:
 
     def validate(self) -> None:
         _require(self.lr > 0, "optim.lr", "must be > 0")
+        _require(self.weight_decay >= 0, "optim.weight_decay", "must be >= 0")
+        _require(self.eps > 0, "optim.eps", "must be > 0")
+        _require(self.grad_clip > 0, "optim.grad_clip", "must be > 0")
+        _require(0.0 <= self.min_lr_ratio <= 1.0, "optim.min_lr_ratio", "must be in [0, 1]")
+        _require(all(0.0 <= beta < 1.0 for beta in self.betas), "optim.betas", "must be in [0, 1)")
         _require(0.0 <= self.warmup_ratio < 1.0, "optim.warmup_ratio", "must be in [0, 1)")
         _require(self.grad_accum >= 1, "optim.grad_accum", "must be >= 1")
         _require(len(self.betas) == 2, "optim.betas", "must have two values")
@@ -142,6 +203,9 @@ class TrainConfig:
     precision: Literal["auto", "bf16", "fp32"] = "auto"
     # On NaN/inf loss: stop with the step and sample ids, or skip the step and count it.
     on_nonfinite: Literal["stop", "skip"] = "stop"
+    # Read each step's finiteness and stop flags on the host right away (one sync per step) instead of one
+    # step later, while the next step runs; the skip itself happens on the device either way.
+    sync_every_step: bool = False
 
     def validate(self) -> None:
         _require(self.epochs >= 1, "train.epochs", "must be >= 1")
@@ -152,8 +216,10 @@ class TrainConfig:
 class CheckpointConfig:
     every_steps: int = 500
     keep_last: int = 3
-    # `auto`: resume from the newest checkpoint in the run directory if one exists.
+    # `auto`: resume from the newest intact checkpoint in the run directory if one exists; `none`; or a path.
     resume: str = "auto"
+    # Resume although the checkpoint names another target.name_or_path (the same model moved elsewhere).
+    allow_target_change: bool = False
 
     def validate(self) -> None:
         _require(self.every_steps >= 1, "checkpoint.every_steps", "must be >= 1")
@@ -169,6 +235,10 @@ class MetricsConfig:
     profile_interval: float = 0.0
     plot_at_end: bool = True
 
+    def validate(self) -> None:
+        _require(self.log_every >= 1, "metrics.log_every", "must be >= 1")
+        _require(self.profile_interval >= 0, "metrics.profile_interval", "must be >= 0 (0 = off)")
+
 
 @dataclass
 class EvalConfig:
@@ -182,6 +252,12 @@ class EvalConfig:
     # Run an evaluation after training ends (used by the main command).
     at_end: bool = False
 
+    def validate(self) -> None:
+        _require(self.every_steps >= 0, "eval.every_steps", "must be >= 0 (0 = off)")
+        _require(self.num_prompts >= 1, "eval.num_prompts", "must be >= 1")
+        _require(self.max_new_tokens >= 1, "eval.max_new_tokens", "must be >= 1")
+        _require(self.temperature >= 0, "eval.temperature", "must be >= 0")
+
 
 @dataclass
 class PrepareConfig:
@@ -193,6 +269,11 @@ class PrepareConfig:
     regenerate_batch_size: int = 16
     limit: int | None = None
     keep_reasoning: bool = False
+
+    def validate(self) -> None:
+        _require(self.max_new_tokens >= 1, "prepare.max_new_tokens", "must be >= 1")
+        _require(self.regenerate_batch_size >= 1, "prepare.regenerate_batch_size", "must be >= 1")
+        _require(self.limit is None or self.limit >= 1, "prepare.limit", "must be >= 1")
 
 
 @dataclass
@@ -287,7 +368,10 @@ def _check_value(value: Any, annotation: Any, key: str) -> Any:
             raise ConfigError(f"{key}: expected a mapping, got {type(value).__name__}")
         return _build(annotation, value, key)
     if annotation is float and isinstance(value, int) and not isinstance(value, bool):
-        return float(value)
+        try:
+            return float(value)
+        except OverflowError:
+            raise ConfigError(f"{key}: {value} is too large for a float") from None
     if annotation is float and isinstance(value, str):
         # YAML 1.1 reads `3e-4` (no dot) as a string; accept what Python reads as a number.
         try:
@@ -321,10 +405,13 @@ def _parse_override(text: str) -> tuple[list[str], Any]:
     if "=" not in text:
         raise ConfigError(f"override {text!r}: expected key.path=value")
     key, raw = text.split("=", 1)
+    if not key.strip():
+        raise ConfigError(f"override {text!r}: no key before '='")
     try:
         value = yaml.safe_load(raw) if raw != "" else ""
-    except yaml.YAMLError as error:
-        raise ConfigError(f"{key}: cannot parse value {raw!r}: {error}") from error
+    except (yaml.YAMLError, RecursionError) as error:
+        problem = getattr(error, "problem", None) or str(error).splitlines()[0]
+        raise ConfigError(f"{key}: cannot parse value {raw!r} as YAML: {problem}") from None
     return key.strip().split("."), value
 
 
@@ -342,17 +429,33 @@ def load_config(recipe: str | Path | None = None, overrides: list[str] | tuple[s
     """Build a RunConfig from a YAML recipe (or the defaults) plus dotted overrides."""
     tree: dict[str, Any] = {}
     if recipe is not None:
-        path = Path(recipe)
-        if not path.is_file():
-            raise ConfigError(f"recipe {path}: file not found")
-        loaded = yaml.safe_load(path.read_text()) or {}
-        if not isinstance(loaded, dict):
-            raise ConfigError(f"recipe {path}: top level must be a mapping")
-        tree = loaded
+        tree = _read_recipe(Path(recipe))
     for text in overrides:
         path_parts, value = _parse_override(text)
         _set_dotted(tree, path_parts, value)
     return _build(RunConfig, tree)
+
+
+def _read_recipe(path: Path) -> dict[str, Any]:
+    """The recipe's YAML mapping; any problem reading or parsing it is a ConfigError naming the place."""
+    if not path.is_file():
+        raise ConfigError(f"recipe {path}: file not found")
+    try:
+        loaded = yaml.safe_load(path.read_bytes())
+    except yaml.MarkedYAMLError as error:
+        mark = error.problem_mark
+        where = f"line {mark.line + 1}, column {mark.column + 1}" if mark is not None else "somewhere"
+        problem = error.problem or error.context or "invalid YAML"
+        raise ConfigError(f"recipe {path}: YAML syntax error at {where}: {problem}") from None
+    except (yaml.YAMLError, RecursionError) as error:
+        raise ConfigError(f"recipe {path}: not valid YAML: {str(error).splitlines()[0]}") from None
+    except OSError as error:
+        raise ConfigError(f"recipe {path}: cannot read: {error.strerror or error}") from None
+    if loaded is None:
+        return {}
+    if not isinstance(loaded, dict):
+        raise ConfigError(f"recipe {path}: top level must be a mapping of sections, got {type(loaded).__name__}")
+    return loaded
 
 
 def config_to_dict(config: Any) -> dict[str, Any]:

@@ -29,6 +29,20 @@ full-attention layers are never causal, so `causal: false` is exact whenever sli
 Importing a checkpoint without either key follows vLLM: layers that `layer_types` lists as sliding are causal
 in-block, layers made sliding by `dflash_config.use_swa` (+ `swa_window_size`) are not.
 
+Sliding-window layers are not exported unless asked for (`accept_sliding_window_mismatch`): we train them with
+the window anchored at the block start (a block query sees the W context positions before its anchor), while the
+engines apply the window per query position, counting the query itself (HF `sliding_window` convention): vLLM
+passes `sliding_window` to its attention backend as `per_layer_sliding_window`, SGLang uses window_left =
+`sliding_window - 1` (causal for sliding layers), z-lab's reference masks `q_pos - k_pos < sliding_window`. Served,
+the query at block slot k would see k + 1 fewer context positions than in training.
+
+An export records where it came from (`exported_from`: the run directory or checkpoint). An existing export is
+replaced only by one from the same source; replacing another run's export needs `overwrite=True`.
+
+`check_drafter_fits_target` compares a drafter with the target it is about to run against (hidden size,
+vocabulary, layer count, taps) so that a drafter of another target is refused with both values named, not found
+by a matmul shape error.
+
 Training checkpoints (`train/checkpoint.py`) hold `drafter.safetensors` (fp32) and `drafter_config.json`
 (`dataclasses.asdict(DrafterModelConfig)`), written and read by `save_drafter_config` / `load_drafter_config`.
 """
@@ -44,8 +58,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
+from .durable_io import fsync_dir, write_bytes, write_safetensors
+from .errors import OutputExistsError, UserError, is_storage_error, storage_error
 from .model.config import FULL_ATTENTION, SLIDING_ATTENTION, DrafterModelConfig, default_target_layer_ids
 from .model.drafter import DFlashDrafter
 
@@ -86,8 +102,15 @@ _TARGET_TENSOR_PREFIXES = ("embed_tokens.", "lm_head.")
 _DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float32: "float32", torch.float16: "float16"}
 
 
-class CheckpointFormatError(ValueError):
+class CheckpointFormatError(UserError, ValueError):
     """A checkpoint directory is incomplete or describes a drafter this package cannot build."""
+
+
+class DrafterMismatchError(UserError, ValueError):
+    """A drafter does not fit the target it is asked to run with, or would compute differently when served."""
+
+
+SOURCE_KEY = "exported_from"
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -160,17 +183,26 @@ def export_drafter(
     *,
     dtype: torch.dtype = torch.bfloat16,
     extra_metadata: dict[str, Any] | None = None,
+    source: str | Path | None = None,
+    overwrite: bool = False,
+    accept_sliding_window_mismatch: bool = False,
 ) -> Path:
     """Write `config.json` + `model.safetensors` into `out_dir`, atomically (temporary directory, then rename).
 
     `extra_metadata` (JSON-serialisable: training step, data, tau...) goes under `training_metadata` in
-    config.json. An existing `out_dir` is replaced only when it is an earlier export; any other non-empty
-    directory is refused before anything is written."""
+    config.json, `source` (the run directory or checkpoint exported) under `exported_from`. An existing
+    `out_dir` is replaced only when it is an export of the same source (or `overwrite`); any other non-empty
+    directory is refused before anything is written. Sliding-window layers are refused unless
+    `accept_sliding_window_mismatch` (module docstring)."""
     out_dir = Path(out_dir)
-    _refuse_foreign_directory(out_dir)
+    check_servable(drafter.config, accept_sliding_window_mismatch=accept_sliding_window_mismatch)
+    source_text = None if source is None else str(Path(source).absolute())
+    _refuse_foreign_directory(out_dir, source_text, overwrite=overwrite)
     config = export_config(drafter.config, dtype=dtype)
     if extra_metadata is not None:
         config["training_metadata"] = extra_metadata
+    if source_text is not None:
+        config[SOURCE_KEY] = source_text
     config_text = json.dumps(config, indent=2, sort_keys=True) + "\n"  # fails early on unserialisable metadata
     state = {
         name: tensor.detach().to(device="cpu", dtype=dtype).contiguous()
@@ -180,23 +212,79 @@ def export_drafter(
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     temp_dir = out_dir.parent / f".{out_dir.name}.tmp-{os.getpid()}"
     shutil.rmtree(temp_dir, ignore_errors=True)
-    temp_dir.mkdir()
     try:
-        save_file(state, str(temp_dir / WEIGHTS_FILE), metadata={"format": "pt"})
-        (temp_dir / CONFIG_FILE).write_text(config_text)
+        temp_dir.mkdir()
+        write_safetensors(temp_dir / WEIGHTS_FILE, state, metadata={"format": "pt"})
+        write_bytes(temp_dir / CONFIG_FILE, config_text.encode("utf-8"))
+        fsync_dir(temp_dir)
         _replace_directory(temp_dir, out_dir)
+    except OSError as error:
+        if is_storage_error(error):
+            raise storage_error("the export", out_dir, error) from error
+        raise
     finally:
         shutil.rmtree(temp_dir, ignore_errors=True)
     return out_dir
 
 
-def _refuse_foreign_directory(out_dir: Path) -> None:
+def check_servable(config: DrafterModelConfig, *, accept_sliding_window_mismatch: bool = False) -> None:
+    """Refuse a drafter the serving engines would run differently from how it was trained (module docstring)."""
+    sliding = [i for i, kind in enumerate(config.layer_types) if kind == SLIDING_ATTENTION]
+    if sliding and not accept_sliding_window_mismatch:
+        raise DrafterMismatchError(
+            f"drafter layers {sliding} use a sliding window ({config.sliding_window}), anchored at the block start "
+            "in training, while vLLM and SGLang apply it per query position: served, it would compute differently. "
+            "Not exported; pass --accept-sliding-window-mismatch (drafter.accept_sliding_window_mismatch=true) to "
+            "export it anyway"
+        )
+
+
+def check_drafter_fits_target(
+    config: DrafterModelConfig, target_config: Any, *, drafter_source: str | Path, target_name: str
+) -> None:
+    """Refuse to run a drafter against a target it was not trained for, naming both values."""
+    text = target_config.get_text_config(decoder=True) if hasattr(target_config, "get_text_config") else target_config
+    pairs = [
+        ("hidden size", config.hidden_size, text.hidden_size),
+        ("vocabulary rows", config.vocab_size, text.vocab_size),
+        ("target layers", config.num_target_layers, text.num_hidden_layers),
+    ]
+    rows = [f"{what} {mine} (drafter) vs {theirs} (target)" for what, mine, theirs in pairs if mine != theirs]
+    if not rows and max(config.target_layer_ids) >= text.num_hidden_layers:
+        rows.append(f"taps {config.target_layer_ids} vs {text.num_hidden_layers} target layers")
+    if rows:
+        raise DrafterMismatchError(
+            f"drafter {drafter_source} does not fit target {target_name!r}: {'; '.join(rows)}. Pass the target it "
+            "was trained for (--target, or the checkpoint's config.yaml when --target is left out)"
+        )
+
+
+def read_drafter_config(path: str | Path) -> DrafterModelConfig:
+    """The drafter architecture of an export or a training checkpoint directory, without loading weights."""
+    path = Path(path)
+    if (path / CONFIG_FILE).is_file():
+        return drafter_config_from_export(_read_json(path / CONFIG_FILE), source=path / CONFIG_FILE)
+    if (path / CHECKPOINT_CONFIG_FILE).is_file():
+        return load_drafter_config(path / CHECKPOINT_CONFIG_FILE)
+    raise CheckpointFormatError(f"{path}: no {CONFIG_FILE} (nor {CHECKPOINT_CONFIG_FILE}): not a drafter directory")
+
+
+def _refuse_foreign_directory(out_dir: Path, source: str | None, *, overwrite: bool) -> None:
     if not out_dir.exists():
         return
     if not out_dir.is_dir():
-        raise FileExistsError(f"{out_dir}: exists and is not a directory")
-    if any(out_dir.iterdir()) and not _is_export(out_dir):
-        raise FileExistsError(f"{out_dir}: not empty and not a DFlash export; refusing to replace it")
+        raise OutputExistsError(f"{out_dir}: exists and is not a directory")
+    if not any(out_dir.iterdir()):
+        return
+    if not _is_export(out_dir):
+        raise OutputExistsError(f"{out_dir}: not empty and not a DFlash export; refusing to replace it")
+    existing = _read_json(out_dir / CONFIG_FILE).get(SOURCE_KEY)
+    if overwrite or existing == source:
+        return
+    raise OutputExistsError(
+        f"{out_dir}: holds an export of {existing or 'an unrecorded source'}, not of {source or 'this drafter'}; "
+        "choose another --out, or pass --overwrite to replace it"
+    )
 
 
 def _is_export(path: Path) -> bool:

@@ -35,6 +35,8 @@ from typing import Any
 from jinja2.exceptions import TemplateError
 from transformers import PreTrainedTokenizerBase
 
+from ..errors import UserError
+
 # {"role", "content"}, and on assistant messages optionally "reasoning_content" and "truncated": True.
 ChatMessage = dict[str, Any]
 
@@ -53,7 +55,7 @@ _THINK_END = "</think>"
 _PROBE_CONTENT = "dflash probe reply"
 
 
-class RecordError(ValueError):
+class RecordError(UserError, ValueError):
     """A chat record is malformed. `reason` is a short key used to count skipped records per cause."""
 
     def __init__(self, reason: str, message: str) -> None:

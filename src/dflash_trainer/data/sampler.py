@@ -115,8 +115,9 @@ class TokenBudgetSampler:
         self.epoch = 0
         self._consumed = 0
         # Planning an epoch walks every sample in Python: done once per epoch, shared by __len__ and __iter__.
-        self._planned_epoch: int | None = None
-        self._planned: list[list[list[int]]] = []
+        # (epoch, its batches) in one attribute, replaced whole: a reader on another thread (the trainer's
+        # prefetch worker iterates while the main thread may ask for an epoch's length) sees a consistent pair.
+        self._planned: tuple[int | None, list[list[list[int]]]] = (None, [])
 
     def set_epoch(self, epoch: int) -> None:
         """Switch to `epoch`; a no-op for the current epoch, so a resumed position survives the usual call."""
@@ -132,8 +133,9 @@ class TokenBudgetSampler:
 
         For schedules that need the total number of steps up front.
         """
-        if epoch == self._planned_epoch:
-            return len(self._planned)
+        planned_epoch, planned = self._planned
+        if epoch == planned_epoch:
+            return len(planned)
         return len(self._plan_rank_batches(epoch))
 
     def __iter__(self) -> Iterator[BatchPlan]:
@@ -182,10 +184,11 @@ class TokenBudgetSampler:
         }
 
     def _rank_batches(self, epoch: int) -> list[list[list[int]]]:
-        if self._planned_epoch != epoch:
-            self._planned = self._plan_rank_batches(epoch)
-            self._planned_epoch = epoch
-        return self._planned
+        planned_epoch, planned = self._planned
+        if planned_epoch != epoch:
+            planned = self._plan_rank_batches(epoch)
+            self._planned = (epoch, planned)
+        return planned
 
     def _plan_rank_batches(self, epoch: int) -> list[list[list[int]]]:
         batches = plan_epoch(

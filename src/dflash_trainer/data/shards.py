@@ -11,6 +11,8 @@ from. Every error names the file, the line and the field.
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import json
 import operator
 import os
@@ -25,13 +27,15 @@ from typing import Any, BinaryIO, Literal
 
 import numpy as np
 
+from ..errors import OutputExistsError, StorageError, UserError, is_storage_error, storage_error
+
 SHARD_FORMAT = "dflash-shards/1"
 MANIFEST_NAME = "manifest.json"
 # Token ids live in an int32 array in memory.
 MAX_VOCAB_SIZE = 2**31 - 1
 
 
-class ShardError(ValueError):
+class ShardError(UserError, ValueError):
     """A malformed shard directory, manifest or record. `file`, `line` and `field` locate the problem."""
 
     def __init__(self, problem: str, *, file: str | Path, line: int | None = None, field: str | None = None):
@@ -45,6 +49,38 @@ class ShardError(ValueError):
 
 def shard_file_name(index: int) -> str:
     return f"shard-{index:05d}.jsonl"
+
+
+def tokenizer_fingerprint(tokenizer: Any) -> str:
+    """A digest of a tokenizer's vocabulary (token -> id, added tokens included): equal for the same tokenizer
+    however it was loaded, different for any other vocabulary."""
+    items = sorted(tokenizer.get_vocab().items(), key=lambda item: item[1])
+    encoded = json.dumps(items, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
+    return "sha256:" + hashlib.sha256(encoded).hexdigest()
+
+
+def check_shards_tokenizer(path: str | Path, tokenizer: Any, target_name: str) -> None:
+    """Refuse shards tokenised with another tokenizer than the target's (names both sides). Manifests written
+    before fingerprints existed are compared by name, with a warning only."""
+    manifest_path = Path(path) / MANIFEST_NAME
+    manifest = _read_manifest(manifest_path)
+    recorded = manifest.get("tokenizer_fingerprint")
+    if recorded is None:
+        if manifest["tokenizer"] != target_name:
+            warnings.warn(
+                f"{path}: tokenised with {manifest['tokenizer']!r} (no vocabulary fingerprint recorded), the "
+                f"target is {target_name!r}: make sure they share a tokenizer",
+                stacklevel=2,
+            )
+        return
+    if recorded != tokenizer_fingerprint(tokenizer):
+        raise ShardError(
+            f"tokenised with {manifest['tokenizer']!r}, whose vocabulary differs from the target {target_name!r}'s "
+            "(tokenizer_fingerprint); ids of another tokenizer would train the drafter on the wrong tokens. "
+            "Run `dflash-trainer prepare` with this target, or set data.check_tokenizer=false if they match",
+            file=manifest_path,
+            field="tokenizer_fingerprint",
+        )
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -232,6 +268,7 @@ class ShardWriter:
         samples_per_shard: int = 10000,
         source: dict[str, Any] | None = None,
         overwrite: bool = False,
+        tokenizer_fingerprint: str | None = None,
     ):
         if not 1 <= vocab_size <= MAX_VOCAB_SIZE:
             raise ValueError(f"vocab_size must be in [1, {MAX_VOCAB_SIZE}], got {vocab_size}")
@@ -247,11 +284,15 @@ class ShardWriter:
         self.samples_per_shard = samples_per_shard
         self.source = source
         self.overwrite = overwrite
+        self.tokenizer_fingerprint = tokenizer_fingerprint
         self.manifest: dict[str, Any] | None = None
         # Refuse before any work is done; checked again at close in case the directory appeared meanwhile.
         _check_destination(self.out_dir, overwrite=overwrite)
-        self.out_dir.parent.mkdir(parents=True, exist_ok=True)
-        self._tmp_dir = Path(tempfile.mkdtemp(prefix=f".{self.out_dir.name}.tmp-", dir=self.out_dir.parent))
+        try:
+            self.out_dir.parent.mkdir(parents=True, exist_ok=True)
+            self._tmp_dir = Path(tempfile.mkdtemp(prefix=f".{self.out_dir.name}.tmp-", dir=self.out_dir.parent))
+        except OSError as error:
+            raise self._storage_error(error) from error
         self._file: BinaryIO | None = None
         self._shards: list[dict[str, Any]] = []
         self._num_samples = 0
@@ -267,12 +308,15 @@ class ShardWriter:
             ids, mask = _validate_sample(sample_id, input_ids, loss_mask, self.vocab_size)
         except _FieldProblem as problem:
             raise ValueError(f"sample {sample_id!r}: field '{problem.field}': {problem.problem}") from None
-        if self._file is None:
-            name = shard_file_name(len(self._shards))
-            self._file = (self._tmp_dir / name).open("wb")
-            self._shards.append({"file": name, "num_samples": 0, "num_tokens": 0})
         record = {"id": sample_id, "input_ids": ids.tolist(), "loss_mask": mask.tolist()}
-        self._file.write(json.dumps(record, separators=(",", ":")).encode("utf-8") + b"\n")
+        try:
+            if self._file is None:
+                name = shard_file_name(len(self._shards))
+                self._file = (self._tmp_dir / name).open("wb")
+                self._shards.append({"file": name, "num_samples": 0, "num_tokens": 0})
+            self._file.write(json.dumps(record, separators=(",", ":")).encode("utf-8") + b"\n")
+        except OSError as error:
+            raise self._storage_error(error) from error
         shard = self._shards[-1]
         shard["num_samples"] += 1
         shard["num_tokens"] += len(ids)
@@ -280,7 +324,16 @@ class ShardWriter:
         self._num_tokens += len(ids)
         self._num_loss_tokens += int(mask.sum())
         if shard["num_samples"] == self.samples_per_shard:
-            self._finish_shard()
+            try:
+                self._finish_shard()
+            except OSError as error:
+                raise self._storage_error(error) from error
+
+    def _storage_error(self, error: OSError) -> OSError:
+        """A StorageError for a write that failed because of the storage; any other OSError unchanged."""
+        if is_storage_error(error) and not isinstance(error, StorageError):
+            return storage_error("token shards", self.out_dir.parent, error)
+        return error
 
     def close(self) -> dict[str, Any]:
         """Write the manifest, move the directory into place and return the manifest."""
@@ -300,6 +353,8 @@ class ShardWriter:
                 "num_loss_tokens": self._num_loss_tokens,
                 "shards": self._shards,
             }
+            if self.tokenizer_fingerprint is not None:
+                manifest["tokenizer_fingerprint"] = self.tokenizer_fingerprint
             if self.source is not None:
                 manifest["source"] = self.source
             with (self._tmp_dir / MANIFEST_NAME).open("w", encoding="utf-8") as f:
@@ -308,8 +363,11 @@ class ShardWriter:
                 _sync(f)
             _check_destination(self.out_dir, overwrite=self.overwrite)
             _move_into_place(self._tmp_dir, self.out_dir)
+        except OSError as error:
+            self._discard()
+            raise self._storage_error(error) from error
         except BaseException:
-            shutil.rmtree(self._tmp_dir, ignore_errors=True)
+            self._discard()
             raise
         self.manifest = manifest
         return manifest
@@ -319,9 +377,14 @@ class ShardWriter:
         if self._closed:
             return
         self._closed = True
+        self._discard()
+
+    def _discard(self) -> None:
         if self._file is not None:
-            self._file.close()
-            self._file = None
+            file, self._file = self._file, None
+            # Closing flushes: on a full disk that fails again, and the data is discarded anyway.
+            with contextlib.suppress(OSError):
+                file.close()
         shutil.rmtree(self._tmp_dir, ignore_errors=True)
 
     def __enter__(self) -> ShardWriter:
@@ -350,9 +413,11 @@ def _check_destination(out_dir: Path, *, overwrite: bool) -> None:
     if not out_dir.exists():
         return
     if not out_dir.is_dir():
-        raise FileExistsError(f"{out_dir}: exists and is not a directory")
+        raise OutputExistsError(f"{out_dir}: exists and is not a directory")
     if not overwrite and any(out_dir.iterdir()):
-        raise FileExistsError(f"{out_dir}: directory exists and is not empty; pass overwrite=True to replace it")
+        raise OutputExistsError(
+            f"{out_dir}: directory exists and is not empty; pass overwrite=True (--overwrite) to replace it"
+        )
 
 
 def _move_into_place(new_dir: Path, out_dir: Path) -> None:
@@ -402,7 +467,7 @@ def load_shards(
     manifest = _read_manifest(manifest_path)
     vocab = manifest["vocab_size"] if vocab_size is None else vocab_size
     if not 1 <= vocab <= MAX_VOCAB_SIZE:
-        raise ValueError(f"vocab_size must be in [1, {MAX_VOCAB_SIZE}], got {vocab}")
+        raise ShardError(f"must be in [1, {MAX_VOCAB_SIZE}], got {vocab}", file=manifest_path, field="vocab_size")
 
     collector = _SampleCollector(max_seq_len=max_seq_len, overlong=overlong)
     totals = {"num_samples": 0, "num_tokens": 0, "num_loss_tokens": 0}
@@ -440,6 +505,10 @@ def _read_manifest(path: Path) -> dict[str, Any]:
         raise ShardError(f"invalid JSON: {error.msg} (column {error.colno})", file=path, line=error.lineno) from None
     except UnicodeDecodeError as error:
         raise ShardError(f"not UTF-8 text: {error}", file=path) from None
+    except RecursionError:
+        raise ShardError("JSON nested too deeply", file=path) from None
+    except OSError as error:
+        raise ShardError(f"cannot read: {error.strerror or error}", file=path) from None
     if not isinstance(manifest, dict):
         raise ShardError(f"expected a JSON object, got {type(manifest).__name__}", file=path)
     if "format" not in manifest:
@@ -451,6 +520,8 @@ def _read_manifest(path: Path) -> dict[str, Any]:
             field="format",
         )
     _require(manifest, "tokenizer", str, path)
+    if "tokenizer_fingerprint" in manifest:
+        _require(manifest, "tokenizer_fingerprint", str, path)
     _require(manifest, "vocab_size", int, path, minimum=1)
     for key in ("num_samples", "num_tokens", "num_loss_tokens"):
         _require(manifest, key, int, path, minimum=0)
@@ -503,6 +574,8 @@ def _read_shard(shard_path: Path, *, vocab_size: int, collector: _SampleCollecto
                 ) from None
             except UnicodeDecodeError as error:
                 raise ShardError(f"not UTF-8 text: {error}", file=shard_path, line=line_number) from None
+            except RecursionError:
+                raise ShardError("JSON nested too deeply", file=shard_path, line=line_number) from None
             if not isinstance(record, dict):
                 raise ShardError(
                     f"expected a JSON object, got {type(record).__name__}", file=shard_path, line=line_number

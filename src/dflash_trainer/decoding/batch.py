@@ -35,11 +35,16 @@ from functools import partial
 
 import torch
 
+from ..errors import UserError
 from .graphs import StepGraphs
 from .sampling import GREEDY, SamplingParams, choose_tokens, seed_key
 from .target import TargetRunner
 
 KV_BUCKET = 128
+
+
+class CacheBudgetError(UserError, MemoryError):
+    """The KV cache for the requested rows and prompt lengths does not fit the memory budget."""
 
 
 @dataclass(frozen=True)
@@ -158,7 +163,7 @@ class BatchDecoder:
         if self.memory_budget is not None:
             needed = self.rows * max_len * self.runner.cache_bytes_per_token()
             if needed > self.memory_budget:
-                raise MemoryError(
+                raise CacheBudgetError(
                     f"a KV cache of {self.rows} rows x {max_len} positions needs {needed / 2**30:.1f} GiB, over the "
                     f"budget of {self.memory_budget / 2**30:.1f} GiB: use fewer rows or shorter prompts"
                 )

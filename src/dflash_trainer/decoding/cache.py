@@ -32,11 +32,13 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
+from ..errors import UserError
+
 # Layer types this cache can serve: attention whose past is fully described by keys/values per position.
 SUPPORTED_LAYER_TYPES = ("full_attention", "sliding_attention")
 
 
-class UnsupportedTargetError(NotImplementedError):
+class UnsupportedTargetError(UserError, NotImplementedError):
     """The target has layers the static cache cannot roll back (linear attention) or an unsupported layout."""
 
 

@@ -20,11 +20,17 @@ tests/test_disaggregated.py; both are no-ops when unset):
                                              a batch of optimizer step STEP or later (steps count from 1)
   DFLASH_TEST_SLOW_RANK=RANK:SECONDS         rank RANK sleeps SECONDS per batch (target ranks) or per
                                              optimizer step (training ranks)
+  DFLASH_TEST_DISK_FULL=WHAT                 writing WHAT (`checkpoint`) raises OSError(ENOSPC) after its first
+                                             file, as a full disk does (`injected_write_fault`)
+
+A user error (`errors.UserError`: a full disk, a bad checkpoint...) is printed as one line, `[rank R] error:
+MESSAGE`, instead of a traceback; anything else is a bug and keeps its traceback.
 """
 
 from __future__ import annotations
 
 import datetime
+import errno
 import os
 import signal
 import sys
@@ -37,6 +43,7 @@ from typing import NoReturn, TypeVar
 
 import torch.distributed as dist
 
+from ..errors import UserError, is_storage_error
 from .world import World
 
 POLL_S = 1.0
@@ -45,6 +52,7 @@ GRACE_S = 2.0
 STORE_TIMEOUT_S = 10.0
 FAIL_ENV = "DFLASH_TEST_FAIL_AT_STEP"
 SLOW_ENV = "DFLASH_TEST_SLOW_RANK"
+DISK_FULL_ENV = "DFLASH_TEST_DISK_FULL"
 _SLOT = "first_failed_rank"
 
 T = TypeVar("T")
@@ -107,8 +115,11 @@ class FailureChannel:
     def fail(self, error: BaseException) -> NoReturn:
         first = self.claim()
         if first is None or first == self.rank:
-            print(f"[{self.label}] failed; the job stops:", file=sys.stderr)
-            traceback.print_exception(error, file=sys.stderr)
+            if isinstance(error, UserError) or is_storage_error(error):
+                print(f"[{self.label}] error: {error}", file=sys.stderr)
+            else:
+                print(f"[{self.label}] failed; the job stops:", file=sys.stderr)
+                traceback.print_exception(error, file=sys.stderr)
         else:
             summary = f"{type(error).__name__}: {error}".splitlines()[0][:300]
             print(
@@ -131,6 +142,13 @@ class FailureChannel:
                 time.sleep(GRACE_S)
                 print(f"[{self.label}] stopping because rank {first} failed (its traceback is above)", file=sys.stderr)
                 _exit_now(1)
+
+
+def injected_write_fault(what: str) -> None:
+    """Test hook: raise the OSError of a full disk while writing `what` when DFLASH_TEST_DISK_FULL names its
+    first word (`checkpoint`)."""
+    if os.environ.get(DISK_FULL_ENV) and what.split()[0] == os.environ[DISK_FULL_ENV]:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
 
 def _exit_now(code: int) -> NoReturn:

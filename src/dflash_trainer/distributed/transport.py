@@ -8,18 +8,25 @@ them apart):
 3. the tensors, one send each on the payload group, in the description's order.
 `kind` END closes the stream from one sender to one receiver; it has no description and no tensors.
 
-In-flight window: a sender keeps at most `queue_depth` messages outstanding per destination (posted but not yet
-taken by the receiver) and blocks on the oldest before posting more. The receiver posts its receives only when
-it wants the next message, so the window is where the sender runs ahead of the receiver, and it bounds the
-memory the sender holds for a slow receiver. The time a sender blocks on the window is its send wait; the time
-a receiver blocks for a message (its transfer included) is its receive wait.
+In-flight window and receive-ahead. A sender keeps at most `queue_depth` messages outstanding per destination
+(posted with isend, not yet taken by the receiver) and blocks on the oldest before posting more; completion is
+tracked, never waited for on the compute stream. A receiver receives ahead on a thread (`FeatureReceiver`): it
+takes the next header as soon as one of its `queue_depth` slots is free, allocates the payload from it and posts
+the payload receives, in the order the schedule names, into a bounded local queue that `recv` takes from. So
+while a drafter computes, the next batches are already matched and moving (on NCCL, on the communication
+stream, overlapping compute), and a fast sender runs ahead until the receiver's queue and then its own window
+are full. Memory, per (sender, receiver) pair at most: `queue_depth` batches held by the sender (its window)
+and, per receiver over all its senders, `queue_depth` batches received ahead, besides the ones in use.
+
+Waiting, as counted here. A sender blocked on a full window is waiting for its receivers (`SendStats.wait_s`).
+A receiver waiting for the next batch (the transfer included) is waiting for its senders (`ReceiveStats`).
 
 Notices travel the other way, on `NOTICE_TAG`: when the receivers end (schedule done, or a stop agreed), each
 sends one int64 code to each sender. Senders post the matching receives at the start and poll them between
 batches, so a stop reaches them without any collective.
 
-Completion is watched by a helper thread per sender (and per notice board) that waits on the posted works in
-order: gloo reports a point-to-point work complete only once someone has waited on it, so polling
+Completion of sends is watched by a helper thread per sender (and per notice board) that waits on the posted
+works in order: gloo reports a point-to-point work complete only once someone has waited on it, so polling
 `is_completed` would never see a message taken. The helper waits without the group's timeout (an unfinished
 gloo wait that times out closes the connection); the poster applies `timeout_s` to its own waits instead.
 """
@@ -32,6 +39,7 @@ import queue
 import threading
 import time
 from collections import deque
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -212,8 +220,19 @@ class FeatureSender:
 
 @dataclass
 class ReceiveStats:
+    """Cumulative receiver counters, all on the host.
+
+    `wait_s`: time the consumer waited for features. On the CPU, the host time blocked in `recv` (transfer
+    included). On CUDA the host does not block for a transfer, so it is the device's stall instead: from the
+    moment the consumer's stream finished its earlier work (or the host asked, whichever is later) until the
+    payload had arrived, read from CUDA events without a sync (`settle` finishes the rest).
+    """
+
     wait_s: float = 0.0
+    # Batches taken by `recv`, and the sum over them of the messages already received (queued) when `recv` was
+    # called: its mean is how full the local queue ran, from 0 (always waiting) to `queue_depth`.
     received: int = 0
+    ahead_sum: int = 0
 
 
 @dataclass
@@ -222,30 +241,186 @@ class Received:
     tensors: dict[str, torch.Tensor]
 
 
+@dataclass
+class _Arrival:
+    """One message as the receive thread hands it over: a batch (payload posted, `works` pending on NCCL), an
+    END (`message` None), the end of the thread's work (`last`), or the error that stopped it."""
+
+    source: int
+    message: Received | None = None
+    works: list[dist.Work] = field(default_factory=list)
+    last: bool = False
+    error: BaseException | None = None
+
+
 class FeatureReceiver:
+    """Receives feature batches ahead of their use, on a thread, in the order the schedule names.
+
+    `order` yields the source rank of every batch this receiver will take, in the order `recv` takes them; after
+    it, the thread receives the END of every rank in `sources` (it stops waiting on a source once that source
+    has sent END, which after a stop can come early). The thread holds at most `queue_depth` messages received
+    and not yet taken: it asks for a slot before it receives the next header, allocates the payload buffers from
+    that header and posts the payload receives (on NCCL it does not wait for them: the consumer's stream does,
+    in `recv`; on gloo it waits, so the message is complete when taken). So the sender's next messages are
+    already matched while the consumer computes, and at most `queue_depth` feature batches wait here.
+
+    Receives are posted in one fixed order (the schedule's) by one thread, so matching is deterministic.
+
+    Streams (CUDA): the thread allocates and posts on the device's default stream, the consumer's own, so the
+    buffers never change allocator stream and no `record_stream` bookkeeping is needed (the seed system's copy on
+    a second stream raced). The cost: NCCL starts a posted receive once the compute queued before it has run,
+    which leaves the transfer itself (one batch's features: a few hundred MB, about a millisecond over NVLink)
+    outside the overlap, while everything the receiver used to wait for (the sender's pace, the matching) is not.
+    """
+
     def __init__(
         self,
         *,
+        sources: list[int],
+        queue_depth: int,
         header_group: dist.ProcessGroup | None,
         payload_group: dist.ProcessGroup | None,
         device: torch.device,
+        timeout_s: float,
     ) -> None:
+        if queue_depth < 1:
+            raise ValueError(f"queue_depth must be >= 1, got {queue_depth}")
+        self.sources = list(sources)
+        self.queue_depth = queue_depth
         self.header_group = header_group
         self.payload_group = payload_group
         self.device = device
+        self.timeout_s = timeout_s
         self.stats = ReceiveStats()
+        self._slots = threading.Semaphore(queue_depth)
+        self._arrivals: queue.SimpleQueue[_Arrival] = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+        self._finished = False
+        # CUDA: (event before the stream waits for a payload, event after), until both are done.
+        self._stalls: deque[tuple[torch.cuda.Event, torch.cuda.Event]] = deque()
+
+    def start(self, order: Iterator[int]) -> None:
+        """Start receiving ahead along `order` (the source of each batch `recv` will take, in order)."""
+        if self._thread is not None:
+            raise RuntimeError("FeatureReceiver.start: already started")
+        self._thread = threading.Thread(
+            target=self._receive_ahead, args=(order,), name="dflash-receive-ahead", daemon=True
+        )
+        self._thread.start()
 
     def recv(self, source: int) -> Received | None:
-        """The next message from `source`: a batch, or None when the sender ended the stream."""
+        """The next message of the schedule, which must come from `source`: a batch, or None (its END)."""
         started = time.perf_counter()
+        on_cuda = self.device.type == "cuda"
+        if on_cuda:
+            before = torch.cuda.Event(enable_timing=True)
+            before.record()
+        arrival, ahead = self._take()
+        if arrival.last:
+            raise TransportError(f"expected a message from rank {source}; the schedule of this receiver has ended")
+        if arrival.source != source:
+            raise TransportError(f"expected a message from rank {source}, the receive order says rank {arrival.source}")
+        for work in arrival.works:
+            # NCCL: later kernels on this stream wait for the payload; the host goes on.
+            work.wait()
+        if on_cuda:
+            after = torch.cuda.Event(enable_timing=True)
+            after.record()
+            self._stalls.append((before, after))
+            self._collect_stalls(block=False)
+        else:
+            self.stats.wait_s += time.perf_counter() - started
+        if arrival.message is not None:
+            self.stats.received += 1
+            self.stats.ahead_sum += ahead
+        return arrival.message
+
+    def settle(self) -> ReceiveStats:
+        """The counters with every measured stall included (on CUDA this waits for the last taken payload: call
+        it where the caller syncs anyway, e.g. on log steps)."""
+        self._collect_stalls(block=True)
+        return self.stats
+
+    def drain(self) -> int:
+        """After the consumer's last `recv`: take and drop what the thread still receives until every source has
+        ended; returns the number of batches dropped (sent ahead for steps that will not run)."""
+        dropped = 0
+        while not self._finished:
+            arrival, _ = self._take()
+            for work in arrival.works:
+                work.wait()  # NCCL: the buffers are not handed back to the allocator mid-transfer
+            dropped += arrival.message is not None
+        if self._thread is not None:
+            self._thread.join(self.timeout_s)
+        return dropped
+
+    # consumer side -------------------------------------------------------------------------------------------
+
+    def _take(self) -> tuple[_Arrival, int]:
+        """(the next arrival, how many arrivals were already queued when asked: 0 means the consumer waits)."""
+        if self._thread is None:
+            raise RuntimeError("FeatureReceiver: call start(order) before recv/drain")
+        ready = self._arrivals.qsize()
+        try:
+            arrival = self._arrivals.get(timeout=self.timeout_s)
+        except queue.Empty:
+            raise TimeoutError(f"no feature batch arrived within placement.timeout_s={self.timeout_s:g}s") from None
+        if arrival.error is not None:
+            self._finished = True
+            raise arrival.error
+        if arrival.last:
+            self._finished = True
+        else:
+            self._slots.release()
+        return arrival, ready
+
+    def _collect_stalls(self, *, block: bool) -> None:
+        while self._stalls:
+            before, after = self._stalls[0]
+            if block:
+                after.synchronize()  # Sync: only from `settle`, on steps that sync anyway.
+            elif not after.query():
+                return
+            self.stats.wait_s += before.elapsed_time(after) / 1000
+            self._stalls.popleft()
+
+    # receive thread ------------------------------------------------------------------------------------------
+
+    def _receive_ahead(self, order: Iterator[int]) -> None:
+        try:
+            if self.device.type == "cuda":
+                torch.cuda.set_device(self.device)  # the current device is per thread
+            ended: set[int] = set()
+            for source in order:
+                if source in ended:  # it stopped early; the consumer stopped too
+                    continue
+                self._slots.acquire()
+                arrival = self._receive(source)
+                if arrival.message is None:
+                    ended.add(source)
+                self._arrivals.put(arrival)
+            for source in self.sources:
+                if source in ended:
+                    continue
+                self._slots.acquire()
+                arrival = self._receive(source)
+                if arrival.message is not None:
+                    raise TransportError(f"rank {source} sent a batch past the end of this receiver's schedule")
+                self._arrivals.put(arrival)
+        except BaseException as error:  # a dead peer or a protocol error: the consumer raises it
+            self._arrivals.put(_Arrival(source=-1, error=error))
+            return
+        self._arrivals.put(_Arrival(source=-1, last=True))
+
+    def _receive(self, source: int) -> _Arrival:
+        """Header from `source` (blocking, this thread), then post the payload receives."""
         prefix = torch.empty(3, dtype=torch.int64)
         dist.recv(prefix, source, group=self.header_group, tag=DATA_TAG)
         kind, length, version = prefix.tolist()
         if version != PROTOCOL_VERSION or kind not in (KIND_BATCH, KIND_END):
             raise TransportError(f"from rank {source}: header kind {kind} version {version} not understood")
         if kind == KIND_END:
-            self.stats.wait_s += time.perf_counter() - started
-            return None
+            return _Arrival(source=source)
         encoded = torch.empty(length, dtype=torch.uint8)
         dist.recv(encoded, source, group=self.header_group, tag=DATA_TAG)
         description = json.loads(bytes(encoded.numpy()).decode())
@@ -254,19 +429,11 @@ class FeatureReceiver:
             for name, dtype, shape in description["tensors"]
         }
         works = [dist.irecv(t, source, group=self.payload_group, tag=DATA_TAG) for t in tensors.values()]
-        for work in works:
-            # gloo: blocks until the tensor is here; NCCL: later kernels on this stream wait for it.
-            work.wait()
-        self.stats.wait_s += time.perf_counter() - started
-        self.stats.received += 1
-        return Received(meta=description["meta"], tensors=tensors)
-
-    def drain(self, source: int) -> int:
-        """Receive and drop messages from `source` until it ends the stream; returns how many were dropped."""
-        dropped = 0
-        while self.recv(source) is not None:
-            dropped += 1
-        return dropped
+        if not _polls(self.payload_group):
+            for work in works:  # gloo: the data is here once waited on
+                work.wait()
+            works = []
+        return _Arrival(source=source, message=Received(meta=description["meta"], tensors=tensors), works=works)
 
 
 class NoticeBoard:

@@ -11,14 +11,21 @@ Rule (DESIGN §2). A query of block n anchored at a sees
 Dropped anchors (`anchor_keep` False) lose their context but keep their own block, so no query row is empty (an
 all-masked row is NaN in SDPA); the loss ignores them anyway.
 
-GPU: flex_attention with a BlockMask from `create_block_mask` (compiled), built once per batch per layer variant.
+GPU: flex_attention with a BlockMask built once per batch per layer variant. Default builder ("anchors"): the
+tile tables (which 128x128 query/key tiles are empty, full, or partial) come straight from the anchors and the
+document starts (`tile_tables`), with no pass over the Q x KV grid: a block's context is the one contiguous range
+[max(doc start, a - W), a) (documents are contiguous runs of one id, as `collate` lays them out), its own block
+is one contiguous key range, and nothing else is visible. The tables are small integer tensors ([R, Qt, KVt]),
+computed on the CPU in the data stage (or on any device), and the kernel still evaluates `mask_mod` inside
+partial tiles, so the mask is exactly the rule above; `tests/test_attention.py` checks the tables against
+`create_block_mask`. The "mask_mod" builder (`create_block_mask`, compiled) is kept as the reference and ablation.
 CPU: SDPA with a dense boolean mask evaluated from the same `mask_mod` on broadcast index tensors.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from functools import lru_cache
 from typing import Literal, cast
 
@@ -27,7 +34,10 @@ import torch.nn.functional as F
 from torch import Tensor
 
 Backend = Literal["flex", "sdpa"]
+MaskBuilder = Literal["anchors", "mask_mod"]
 MaskMod = Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]
+# flex_attention's sparse tile (queries x keys) of a BlockMask.
+TILE = 128
 
 
 @dataclass(frozen=True)
@@ -87,11 +97,140 @@ def _compiled_create_block_mask() -> Callable:
 
 
 def block_mask(mask_mod: MaskMod, *, rows: int, q_len: int, kv_len: int, device: torch.device):
-    """flex_attention BlockMask for `mask_mod` (compiled on CUDA: the eager builder materialises the grid)."""
+    """flex_attention BlockMask for `mask_mod` by evaluating it on the whole grid (compiled on CUDA: the eager
+    builder materialises the grid). The reference builder; `tile_tables` gets the same tables from the anchors."""
     from torch.nn.attention.flex_attention import create_block_mask
 
     build = _compiled_create_block_mask() if device.type == "cuda" else create_block_mask
     return build(mask_mod, B=rows, H=None, Q_LEN=q_len, KV_LEN=kv_len, device=device)
+
+
+@dataclass
+class TileTables:
+    """A BlockMask's sparsity in flex_attention's (kv_num_blocks, kv_indices) form, one head dimension of 1:
+    per query tile, the key tiles to evaluate with `mask_mod` (partial) and those visible whole (full)."""
+
+    kv_num_blocks: Tensor  # [R, 1, Qt] int32
+    kv_indices: Tensor  # [R, 1, Qt, KVt] int32: partial key tiles first, ascending
+    full_kv_num_blocks: Tensor  # [R, 1, Qt] int32
+    full_kv_indices: Tensor  # [R, 1, Qt, KVt] int32
+
+    def to(self, device: torch.device, non_blocking: bool = False) -> TileTables:
+        return TileTables(**{f.name: getattr(self, f.name).to(device, non_blocking=non_blocking) for f in fields(self)})
+
+    def pin_memory(self) -> TileTables:
+        return TileTables(**{f.name: getattr(self, f.name).pin_memory() for f in fields(self)})
+
+
+def _ordered(tiles: Tensor) -> tuple[Tensor, Tensor]:
+    """bool [R, Qt, KVt] -> (count [R, 1, Qt], indices [R, 1, Qt, KVt]) with the set tiles first, ascending."""
+    count = tiles.sum(dim=-1, dtype=torch.int32)
+    order = torch.argsort(tiles.to(torch.int8), dim=-1, descending=True, stable=True).to(torch.int32)
+    return count.unsqueeze(1), order.unsqueeze(1)
+
+
+def tile_tables(
+    *,
+    anchors: Tensor,  # [R, N] int64
+    anchor_keep: Tensor,  # [R, N] bool
+    doc_ids: Tensor,  # [R, T] int64, contiguous runs per document, -1 on padding
+    block_size: int,
+    window: int | None = None,
+) -> TileTables:
+    """The tile tables of `dflash_mask_mod` over [N*B queries, T + N*B keys] from the anchors alone.
+
+    Block n (anchor a) sees context [lo, a) with lo = max(start of a's document, a - W) when kept, and its own
+    block's keys. A (query tile, key tile) pair is touched when some block of the query tile sees some key of
+    the tile, and full when every query of the (complete) tile sees every key of the (complete, context-only)
+    tile; own-block tiles are always partial (they also hold other blocks' keys, or a causal in-block mask).
+    Cost: O(R * (N + Qt * KVt)) integer work, no pass over queries x keys."""
+    rows, num_blocks = anchors.shape
+    context_len = doc_ids.shape[1]
+    device = anchors.device
+    q_len = num_blocks * block_size
+    q_tiles = -(-q_len // TILE)
+    kv_tiles = -(-(context_len + q_len) // TILE)
+    # Start of each position's document: the last index <= t where the document id changed.
+    index = torch.arange(context_len, device=device).expand(rows, context_len)
+    starts = torch.ones_like(doc_ids, dtype=torch.bool)
+    starts[:, 1:] = doc_ids[:, 1:] != doc_ids[:, :-1]
+    doc_start = torch.where(starts, index, torch.zeros_like(index)).cummax(dim=1).values  # [R, T]
+    hi = anchors  # [R, N] exclusive end of the context a block sees
+    lo = torch.gather(doc_start, 1, anchors)
+    if window is not None:
+        lo = torch.maximum(lo, anchors - window)
+    seen = anchor_keep & (lo < hi)  # [R, N]: the block sees some context
+    # Per block, the key tiles it touches [lo // TILE, (hi - 1) // TILE] and those it sees whole (complete
+    # context tiles inside [lo, hi)), counted per query tile with difference arrays over the key tiles.
+    touch_first, touch_last = lo // TILE, (hi - 1) // TILE
+    full_first, full_last = -(-lo // TILE), torch.clamp(hi // TILE, max=context_len // TILE) - 1
+    q_tile = torch.arange(q_tiles, device=device)
+    first = (q_tile * TILE) // block_size  # [Qt]: blocks [first, last] hold the queries of query tile i
+    last = torch.clamp((q_tile * TILE + TILE - 1) // block_size, max=num_blocks - 1)
+    block = torch.arange(num_blocks, device=device)
+    # A block belongs to the query tiles of its first and its last query (the same one unless it straddles).
+    tile_of_block = [(block * block_size) // TILE, (block * block_size + block_size - 1) // TILE]
+
+    def covering(first_tile: Tensor, last_tile: Tensor, present: Tensor) -> Tensor:
+        """[R, Qt, KVt] int32: blocks of each query tile whose range [first_tile, last_tile] covers key tile j."""
+        diff = torch.zeros(rows, q_tiles, kv_tiles + 1, dtype=torch.int32, device=device)
+        weight = present.to(torch.int32)
+        for k, tile in enumerate(tile_of_block):
+            if k == 1:  # count a straddling block in its second query tile too, and no other block twice
+                weight = weight * (tile != tile_of_block[0]).to(torch.int32)
+            base = tile * (kv_tiles + 1)  # [N]
+            flat = diff.view(rows, -1)
+            flat.scatter_add_(1, base + first_tile, weight)
+            flat.scatter_add_(1, base + torch.clamp(last_tile + 1, min=0), -weight)
+        return diff.cumsum(dim=-1)[..., :kv_tiles]
+
+    touched_tiles = covering(touch_first, touch_last, seen) > 0
+    full_present = seen & (full_first <= full_last)
+    members = (last - first + 1).view(1, q_tiles, 1)
+    complete_q = ((q_tile + 1) * TILE <= q_len).view(1, q_tiles, 1)
+    full_tiles = (covering(full_first, full_last, full_present) == members) & complete_q
+    # Own-block keys of query tile i: T + [first * B, (last + 1) * B).
+    own_lo = (context_len + first * block_size) // TILE  # [Qt]
+    own_hi = (context_len + (last + 1) * block_size - 1) // TILE
+    kv_tile = torch.arange(kv_tiles, device=device)
+    own = (kv_tile >= own_lo.unsqueeze(-1)) & (kv_tile <= own_hi.unsqueeze(-1))  # [Qt, KVt]
+    partial = (touched_tiles | own) & ~full_tiles
+    kv_num_blocks, kv_indices = _ordered(partial)
+    full_kv_num_blocks, full_kv_indices = _ordered(full_tiles)
+    return TileTables(kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices)
+
+
+def mask_tables(
+    *,
+    anchors: Tensor,
+    anchor_keep: Tensor,
+    doc_ids: Tensor,
+    block_size: int,
+    variants: list[MaskVariant] | tuple[MaskVariant, ...],
+) -> dict[MaskVariant, TileTables]:
+    """`tile_tables` per layer variant (the in-block causality changes no tile, so variants of one window share)."""
+    by_window: dict[int | None, TileTables] = {}
+    for variant in dict.fromkeys(variants):
+        if variant.window not in by_window:
+            by_window[variant.window] = tile_tables(
+                anchors=anchors, anchor_keep=anchor_keep, doc_ids=doc_ids, block_size=block_size, window=variant.window
+            )
+    return {variant: by_window[variant.window] for variant in dict.fromkeys(variants)}
+
+
+def block_mask_from_tables(tables: TileTables, mask_mod: MaskMod, *, q_len: int, kv_len: int):
+    """A flex BlockMask from precomputed tables (a few small device ops for the transposed tables; no sync)."""
+    from torch.nn.attention.flex_attention import BlockMask
+
+    return BlockMask.from_kv_blocks(
+        tables.kv_num_blocks,
+        tables.kv_indices,
+        tables.full_kv_num_blocks,
+        tables.full_kv_indices,
+        BLOCK_SIZE=TILE,
+        mask_mod=mask_mod,
+        seq_lengths=(q_len, kv_len),
+    )
 
 
 @dataclass
@@ -113,11 +252,19 @@ def build_masks(
     block_size: int,
     variants: list[MaskVariant] | tuple[MaskVariant, ...],
     backend: Backend,
+    builder: MaskBuilder = "anchors",
+    tables: dict[MaskVariant, TileTables] | None = None,
 ) -> DrafterMasks:
+    """One mask per variant. flex: from `tables` (precomputed by the data stage) or tables computed here from
+    the anchors (`builder` "anchors"), or by `create_block_mask` ("mask_mod"); sdpa: dense."""
     rows, num_blocks = anchors.shape
     context_len = doc_ids.shape[1]
     q_len = num_blocks * block_size
     kv_len = context_len + q_len
+    if backend == "flex" and builder == "anchors" and tables is None:
+        tables = mask_tables(
+            anchors=anchors, anchor_keep=anchor_keep, doc_ids=doc_ids, block_size=block_size, variants=variants
+        )
     built: dict[MaskVariant, object] = {}
     for variant in dict.fromkeys(variants):
         mask_mod = dflash_mask_mod(
@@ -129,8 +276,12 @@ def build_masks(
             window=variant.window,
             causal_in_block=variant.causal_in_block,
         )
-        make = block_mask if backend == "flex" else dense_mask
-        built[variant] = make(mask_mod, rows=rows, q_len=q_len, kv_len=kv_len, device=anchors.device)
+        if backend == "sdpa":
+            built[variant] = dense_mask(mask_mod, rows=rows, q_len=q_len, kv_len=kv_len, device=anchors.device)
+        elif builder == "anchors":
+            built[variant] = block_mask_from_tables(tables[variant], mask_mod, q_len=q_len, kv_len=kv_len)
+        else:
+            built[variant] = block_mask(mask_mod, rows=rows, q_len=q_len, kv_len=kv_len, device=anchors.device)
     return DrafterMasks(backend=backend, by_variant=built)
 
 

@@ -58,8 +58,13 @@ class DrafterModelConfig:
             raise ValueError("num_attention_heads must be a multiple of num_key_value_heads")
         if not 0 <= self.mask_token_id < self.vocab_size:
             raise ValueError(f"mask_token_id {self.mask_token_id} outside the vocabulary [0, {self.vocab_size})")
-        if max(self.target_layer_ids) >= self.num_target_layers or min(self.target_layer_ids) < 0:
-            raise ValueError(f"target_layer_ids {self.target_layer_ids} outside 0..{self.num_target_layers - 1}")
+        last = self.num_target_layers - 1
+        if not self.target_layer_ids or max(self.target_layer_ids) >= last or min(self.target_layer_ids) < 0:
+            # Engines capture a layer's output as the input of the next one; the last layer has none (DESIGN §2).
+            raise ValueError(
+                f"target_layer_ids {self.target_layer_ids}: taps must lie in 0..{last - 1}; layer {last} is the "
+                "target's last, whose output serving engines do not capture"
+            )
 
     @property
     def num_features(self) -> int:

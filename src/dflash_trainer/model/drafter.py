@@ -155,8 +155,11 @@ class DrafterLayer(nn.Module):
         backend: Backend,
         cache: ContextCache | None,
     ) -> Tensor:
+        # `self.layer` is read only with a cache (inference): a per-layer value read here would make the compiled
+        # layers guard on it and compile once per layer.
+        layer = self.layer if cache is not None else 0
         x = x + self.self_attn(
-            self.input_layernorm(x), ctx, block_rope, ctx_rope, mask, backend, cache=cache, layer=self.layer
+            self.input_layernorm(x), ctx, block_rope, ctx_rope, mask, backend, cache=cache, layer=layer
         )
         return x + self.mlp(self.post_attention_layernorm(x))
 
@@ -223,9 +226,11 @@ class DFlashDrafter(nn.Module):
             x = layer(x, ctx, block_rope, ctx_rope, mask, backend, cache)
         return self.norm(x)
 
-    def compile_layers(self) -> None:
+    def compile_layers(self, mode: str = "default") -> None:
         """torch.compile each decoder layer (GPU training): fuses the norms, RoPE, SwiGLU and residual adds
-        around the matmuls and compiles flex attention inside. Shapes change from batch to batch, so dynamic
-        shapes are left to dynamo's automatic detection (one recompile, then symbolic)."""
+        around the matmuls and compiles flex attention inside. Shapes change from batch to batch (rows, row
+        length, anchors; bucketed by the data stage), so the layers compile with symbolic sizes from the first
+        call: one compile, no recompile per new shape. The layers share one code object and read no per-layer
+        value on the training path, so they also share the compiled code."""
         for layer in self.layers:
-            layer.compile(dynamic=None)
+            layer.compile(dynamic=True, mode=mode)

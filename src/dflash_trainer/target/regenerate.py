@@ -61,6 +61,7 @@ from dflash_trainer.decoding.batch import Request as DecodeRequest
 from dflash_trainer.decoding.cache import UnsupportedTargetError
 from dflash_trainer.decoding.sampling import SamplingParams, derive_seed
 from dflash_trainer.decoding.target import TargetRunner
+from dflash_trainer.errors import UserError
 from dflash_trainer.target.loader import LoadedTarget
 
 OUTPUT_FILE = "regen-00000.jsonl"
@@ -74,7 +75,7 @@ TruncatedPolicy = Literal["keep_open", "drop"]
 EngineName = Literal["auto", "engine", "hf", "vllm"]
 
 
-class RegenerateError(ValueError):
+class RegenerateError(UserError, ValueError):
     """Bad input records, or an output directory that holds a different run."""
 
 

@@ -6,7 +6,6 @@ that both sides of a transfer build the same batch list from the same settings.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -14,7 +13,7 @@ import torch
 from ..config import RunConfig
 from ..data.sampler import BatchPlan, TokenBudgetSampler, collate
 from ..data.shards import TokenDataset, load_shards
-from ..target.capture import model_supports_packing
+from ..model.attention import MaskVariant
 from ..target.loader import LoadedTarget
 from .batch import TrainBatch, make_train_batch
 
@@ -26,9 +25,7 @@ class TrainingData:
     pad_token_id: int
 
 
-def load_training_data(
-    config: RunConfig, target: LoadedTarget, *, rank: int, world_size: int, log: Callable[[str], object]
-) -> TrainingData:
+def load_training_data(config: RunConfig, target: LoadedTarget, *, rank: int, world_size: int) -> TrainingData:
     """The shards of `data.train_shards` and a sampler dealing their batches to `rank` of `world_size`."""
     data = config.data
     if not data.train_shards:
@@ -36,11 +33,8 @@ def load_training_data(
     dataset = load_shards(
         data.train_shards, vocab_size=target.config.vocab_size, max_seq_len=data.max_seq_len, overlong=data.overlong
     )
+    # Every target keeps packed documents apart (target/capture.py: attention masks or one document per row).
     packing = data.packing
-    if packing and not model_supports_packing(target.model):
-        # Linear-attention (recurrent) layers would carry state across packed documents.
-        log(f"data.packing: {type(target.model).__name__} cannot keep packed documents apart; one per row")
-        packing = False
     sampler = TokenBudgetSampler(
         dataset.lengths,
         token_budget=data.token_budget,
@@ -55,7 +49,21 @@ def load_training_data(
     return TrainingData(dataset=dataset, sampler=sampler, pad_token_id=0 if pad is None else pad)
 
 
-def plan_to_batch(
+# Shape buckets on a GPU: flex attention's 128-token tile for rows, 16 anchors (N*B a multiple of the tile for B=8,
+# 16; of 64 for B=4) for blocks: at most ~1% padded block slots at 512 anchors per document.
+GPU_SEQ_MULTIPLE = 128
+GPU_ANCHOR_MULTIPLE = 16
+
+
+def bucket_multiples(config: RunConfig, device: torch.device) -> tuple[int, int]:
+    """(seq_multiple, anchor_multiple) in force: the configured values, or for 0 the device's default."""
+    on_gpu = device.type == "cuda"
+    seq = config.data.seq_multiple or (GPU_SEQ_MULTIPLE if on_gpu else 1)
+    anchors = config.data.anchor_multiple or (GPU_ANCHOR_MULTIPLE if on_gpu else 1)
+    return seq, anchors
+
+
+def plan_to_host_batch(
     plan: BatchPlan,
     data: TrainingData,
     *,
@@ -63,9 +71,12 @@ def plan_to_batch(
     mask_token_id: int,
     config: RunConfig,
     device: torch.device,
+    mask_variants: list[MaskVariant] | None = None,
 ) -> TrainBatch:
+    """The batch of `plan` on the host, pinned when `device` is a GPU: the data stage's work."""
     packed = collate(data.dataset, plan, data.pad_token_id)
-    batch = make_train_batch(
+    seq_multiple, anchor_multiple = bucket_multiples(config, device)
+    return make_train_batch(
         packed,
         block_size=block_size,
         mask_token_id=mask_token_id,
@@ -75,5 +86,8 @@ def plan_to_batch(
         # The global batch number (batch i goes to rank i % world_size): anchors do not depend on the rank count.
         index=plan.index * data.sampler.world_size + data.sampler.rank,
         pin_memory=device.type == "cuda",
+        seq_multiple=seq_multiple,
+        anchor_multiple=anchor_multiple,
+        pad_token_id=data.pad_token_id,
+        mask_variants=mask_variants,
     )
-    return batch.to(device)

@@ -12,30 +12,44 @@ The number of target ranks changes nothing but speed.
 
 Schedule and messages. Every rank derives the schedule from the same sampler (one global view, world size 1)
 and the start position the first drafter rank broadcasts once (after its resume). A target walks the steps in
-order and computes only its own micro-batches, sending each (header, then tensors: `distributed/transport.py`)
-to its drafter, at most `placement.queue_depth` outstanding per drafter. A drafter receives its micro-batches
-in the same order; the header's step, epoch and batch index are checked against the schedule. Since both sides
-follow one global order and a sender only ever waits on its own oldest message, nobody waits in a cycle.
+order and computes only its own micro-batches (their host batches made ahead on a prefetch worker,
+`data.prefetch_steps` steps of its share), sending each (header, then tensors: `distributed/transport.py`) to
+its drafter without blocking, at most `placement.queue_depth` outstanding per drafter. A drafter receives its
+micro-batches in the same order, ahead of use on a receive thread that walks the schedule on a copy of the
+sampler (`drafter_schedule`), at most `queue_depth` received ahead; the header's step, epoch and batch index are
+checked against the schedule. Deadlock freedom: every sender posts and every receiver receives in one global
+order, a sender only waits on its own oldest message and a receive thread only on its consumer; the earliest
+message not yet received has been posted (its sender waits only on earlier, received ones), and its receiver's
+queue holds only messages of steps its drafter has yet to train, which the drafters' per-step all-reduce cannot
+hold up, as every message of the current step is earlier still and so received.
 
 End and stop. The end of the data (or train.max_steps) is known to all from the schedule. A stop (SIGINT /
 SIGTERM, possibly reaching only some ranks: a target passes its request on in its next header) is agreed by the
 drafters in their per-step all-reduce; they then send every target a notice, and each target, seeing it before
 its next batch, sends END after what it already posted. The drafters drain every target up to its END (dropping
-batches of steps that will not run), drafter rank 0 writes the checkpoint, and all ranks exit.
+batches of steps that will not run), drafter rank 0 writes the checkpoint, and all ranks exit. A rank that dies
+fails the job (`distributed/failure.py`): a receive thread blocked on it gets the broken connection's error and
+its drafter raises it; the process then exits without waiting for anything posted.
 
 Memory. Drafter ranks keep only the target's embedding and LM head: the target is loaded on the CPU (in the
 dtype the target ranks use), those two modules move to the drafter's device, and the decoder layers are
-dropped. Target ranks never build a drafter.
+dropped. Target ranks never build a drafter. Feature batches at once, at most: on a target rank, the one being
+computed plus `queue_depth` per drafter (sent, not yet received); on a drafter rank, the micro-batches of the
+step it trains plus `queue_depth` received ahead.
 
-Metrics (per rank, logged by drafter rank 0): `rank{r}/idle` (fraction of wall time waiting: a drafter for
-features, a target for room in its window), `rank{r}/recv_wait_s` (drafter) or `rank{r}/send_wait_s` (target):
-seconds of that per optimizer step, `rank{r}/inflight` (target: mean messages outstanding to a drafter right
-after a send), and the means `idle_target`, `idle_drafter`, `wait_send_s`, `wait_recv_s`, `inflight`. Target
-counters travel in the headers, so they lag the drafters' by up to a window.
+Metrics (per rank, logged by drafter rank 0): `rank{r}/idle` (fraction of wall time waiting on the other role:
+a drafter for features, a target blocked on a full window), `rank{r}/recv_wait_s` (drafter) or
+`rank{r}/send_wait_s` (target): seconds of that per optimizer step, `rank{r}/inflight` (target: mean messages
+outstanding to a drafter right after a send), `rank{r}/ahead` (drafter: mean batches already received when it
+asked for one), and the means `idle_target`, `idle_drafter`, `wait_send_s`, `wait_recv_s`, `inflight`, `ahead`.
+Target counters travel in the headers, so they lag the drafters' by up to a window and a receive queue. The
+verdict (`train/rank_report.py`) names the role the other waits for; drafter rank 0 prints it for the whole run
+at the end, and per interval in the stage profile.
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import time
 from collections.abc import Callable, Iterator
@@ -46,7 +60,7 @@ import torch
 import torch.distributed as dist
 
 from ..config import RunConfig
-from ..data.sampler import BatchPlan
+from ..data.sampler import BatchPlan, TokenBudgetSampler
 from ..distributed.failure import FaultInjection
 from ..distributed.roles import Roles, assign_roles
 from ..distributed.transport import (
@@ -60,11 +74,12 @@ from ..distributed.transport import (
 )
 from ..distributed.world import World
 from ..target.capture import FeatureCapture, TargetOutputs, decoder_module, embedding_module, lm_head_module
-from ..target.loader import LoadedTarget, load_target, resolve_dtype
+from ..target.loader import LoadedTarget, load_target, quantize_target_to_fp8, resolve_dtype
 from .batch import TrainBatch
-from .data_setup import TrainingData, load_training_data, plan_to_batch
+from .data_setup import TrainingData, load_training_data, plan_to_host_batch
+from .prefetch import Prefetcher
 from .profiler import StageProfiler, StageSummary
-from .rank_report import merge_summaries
+from .rank_report import PipelineDepth, merge_summaries, pipeline_line
 from .schedule import RunIndex, drafter_slot, step_groups, target_slot
 from .trainer import StepWork, Trainer, TrainSummary
 
@@ -90,11 +105,35 @@ def unpack_batch(host: dict[str, Any], tensors: dict[str, torch.Tensor]) -> tupl
     split = sorted((name for name in tensors if name.startswith("features.")), key=lambda n: int(n.split(".")[1]))
     features = torch.cat([tensors[name] for name in split], dim=-1) if split else tensors["features"]  # [R, T, K*H]
     batch = TrainBatch(**{f.name: tensors.get(f.name, host.get(f.name)) for f in dataclasses.fields(TrainBatch)})
+    if batch.segment_boundaries is not None:  # JSON made the tuple a list
+        batch = dataclasses.replace(batch, segment_boundaries=tuple(batch.segment_boundaries))
     return batch, TargetOutputs(features=features, final_hidden=tensors.get("final_hidden"))
 
 
 def _stats_window(old: dict[str, float] | None, new: dict[str, float]) -> dict[str, float]:
     return {key: value - (old or {}).get(key, 0.0) for key, value in new.items()}
+
+
+def drafter_schedule(
+    sampler: TokenBudgetSampler,
+    *,
+    epochs: int,
+    batches_per_step: int,
+    first_step: int,
+    total_steps: int,
+    slot: int,
+    num_drafters: int,
+    target_ranks: tuple[int, ...],
+) -> Iterator[tuple[int, list[tuple[BatchPlan, int]]]]:
+    """Per optimizer step from the sampler's position (step `first_step`) to `total_steps`: (the step's
+    micro-batch count over all drafters, [(plan, target rank that computes it)] of drafter `slot`'s share)."""
+    run_index = RunIndex(sampler)
+    groups = step_groups(sampler, epochs=epochs, micro_batches_per_step=batches_per_step)
+    # The step range comes first: zip stops on it without taking (and consuming) a group past `total_steps`.
+    for _, plans in zip(range(first_step, total_steps), groups, strict=False):
+        mine = [plan for position, plan in enumerate(plans) if drafter_slot(position, num_drafters) == slot]
+        targets = [target_ranks[target_slot(run_index(p.epoch, p.index), len(target_ranks))] for p in mine]
+        yield len(plans), list(zip(mine, targets, strict=True))
 
 
 class DrafterTrainer(Trainer):
@@ -117,12 +156,20 @@ class DrafterTrainer(Trainer):
             )
         self.roles = roles
         self.receiver = FeatureReceiver(
-            header_group=roles.header_group, payload_group=roles.payload_group, device=world.device
+            sources=list(roles.target_ranks),
+            queue_depth=config.placement.queue_depth,
+            header_group=roles.header_group,
+            payload_group=roles.payload_group,
+            device=world.device,
+            timeout_s=config.placement.timeout_s,
         )
         self._target_stop_requested = False
         self._target_stats: dict[int, dict[str, float]] = {}
         self._target_profiles: dict[str, StageSummary] = {}
         self._logged_stats: dict[str, dict[str, float]] = {}
+        # Over the logged windows of the run, for `pipeline_summary`: role -> [wait seconds, wall seconds].
+        self._run_waits: dict[str, list[float]] = {"target": [0.0, 0.0], "drafter": [0.0, 0.0]}
+        self._run_depth = PipelineDepth(queue_depth=config.placement.queue_depth)
         self._started = time.perf_counter()
         super().__init__(config, should_stop=should_stop, log=log, target=target, world=world)
         outer_stop = self.should_stop
@@ -159,39 +206,48 @@ class DrafterTrainer(Trainer):
 
     def _step_groups(self) -> Iterator[StepWork]:
         self._announce_start()
-        batches_per_step = self.sampler_step_batches
-        slot, drafters = self.roles.slot, self.roles.num_drafters
-        run_index = RunIndex(self.sampler)
-        for plans in step_groups(
-            self.sampler, epochs=self.config.train.epochs, micro_batches_per_step=batches_per_step
-        ):
-            if self.step >= self.total_steps:  # train.max_steps: the targets send nothing past it
-                return
+        # The receive thread walks the same schedule on a copy of the sampler (this one's position is what a
+        # checkpoint saves, so only the consumer may advance it).
+        order = (source for _, work in self._my_steps(copy.copy(self.sampler)) for _, source in work)
+        self.receiver.start(order)
+        for step_size, work in self._my_steps(self.sampler):
             batches, outputs = [], []
-            for position in range(slot, len(plans), drafters):
-                plan = plans[position]
-                source = self.roles.target_ranks[target_slot(run_index(plan.epoch, plan.index), self.roles.num_targets)]
+            for plan, source in work:
                 with self.profiler.stage("recv_wait"):
                     received = self.receiver.recv(source)
                 batch, target_outputs = self._accept(received, source=source, plan=plan)
                 batches.append(batch)
                 outputs.append(target_outputs)
-            yield StepWork(batches=batches, outputs=outputs, loss_scale=1.0 / len(plans))
+            yield StepWork(batches=batches, outputs=outputs, loss_scale=1.0 / step_size)
+
+    def _my_steps(self, sampler: TokenBudgetSampler) -> Iterator[tuple[int, list[tuple[BatchPlan, int]]]]:
+        return drafter_schedule(
+            sampler,
+            epochs=self.config.train.epochs,
+            batches_per_step=self.sampler_step_batches,
+            first_step=self.step,
+            total_steps=self.total_steps,
+            slot=self.roles.slot,
+            num_drafters=self.roles.num_drafters,
+            target_ranks=self.roles.target_ranks,
+        )
 
     def _end_of_data(self, *, interrupted: bool) -> None:
         notices = send_notices(
             list(self.roles.target_ranks), NOTICE_STOP if interrupted else NOTICE_DONE, self.roles.header_group
         )
-        dropped = sum(self.receiver.drain(rank) for rank in self.roles.target_ranks)
+        dropped = self.receiver.drain()
         notices.wait()
         if dropped:
             self.log(f"dropped {dropped} feature batch(es) sent ahead for steps that will not run")
+        summary = self.pipeline_summary() if self.is_main else None
+        if summary:
+            self.log(summary)
 
     def _placement_log_values(self, steps: int) -> dict[str, float]:
-        local = {
-            "drafters": {self.world.rank: {"wait_s": self.receiver.stats.wait_s, "wall_s": self._wall()}},
-            "targets": self._target_stats,
-        }
+        stats = self.receiver.settle()
+        mine = {"wait_s": stats.wait_s, "wall_s": self._wall(), "takes": stats.received, "ahead_sum": stats.ahead_sum}
+        local = {"drafters": {self.world.rank: mine}, "targets": self._target_stats}
         gathered: list[dict | None] = [local]
         if self.group_size > 1:
             gathered = [None] * self.group_size
@@ -211,32 +267,53 @@ class DrafterTrainer(Trainer):
     def _transport_metrics(
         self, drafters: dict[int, dict[str, float]], targets: dict[int, dict[str, float]], *, steps: int
     ) -> dict[str, float]:
-        """Per-rank and mean waiting metrics since the last log step, from cumulative counters."""
+        """Per-rank and mean waiting metrics since the last log step, from cumulative counters; the window's
+        depth counters also go to the profile report and the run's totals."""
         values: dict[str, float] = {}
         idle: dict[str, list[float]] = {"drafter": [], "target": []}
         waits: dict[str, list[float]] = {"drafter": [], "target": []}
-        inflight_sum = sends = 0.0
+        depth = PipelineDepth(queue_depth=self.config.placement.queue_depth)
         for role, ranks in (("drafter", drafters), ("target", targets)):
             for rank, stats in sorted(ranks.items()):
                 delta = _stats_window(self._logged_stats.get(f"{role}{rank}"), stats)
                 if delta["wall_s"] <= 0:  # no header from this target since the last log step
                     continue
                 self._logged_stats[f"{role}{rank}"] = stats
+                self._run_waits[role][0] += delta["wait_s"]
+                self._run_waits[role][1] += delta["wall_s"]
                 idle[role].append(delta["wait_s"] / delta["wall_s"])
                 waits[role].append(delta["wait_s"] / steps)
                 values[f"rank{rank}/idle"] = idle[role][-1]
                 values[f"rank{rank}/{'recv' if role == 'drafter' else 'send'}_wait_s"] = waits[role][-1]
                 if role == "target" and delta["sends"] > 0:
                     values[f"rank{rank}/inflight"] = delta["inflight_sum"] / delta["sends"]
-                    inflight_sum += delta["inflight_sum"]
-                    sends += delta["sends"]
+                    depth.sends += int(delta["sends"])
+                    depth.inflight_sum += int(delta["inflight_sum"])
+                if role == "drafter" and delta["takes"] > 0:
+                    values[f"rank{rank}/ahead"] = delta["ahead_sum"] / delta["takes"]
+                    depth.takes += int(delta["takes"])
+                    depth.ahead_sum += int(delta["ahead_sum"])
         for role, name in (("drafter", "recv"), ("target", "send")):
             if idle[role]:
                 values[f"idle_{role}"] = sum(idle[role]) / len(idle[role])
                 values[f"wait_{name}_s"] = sum(waits[role]) / len(waits[role])
-        if sends:
-            values["inflight"] = inflight_sum / sends
+        if depth.sends:
+            values["inflight"] = depth.inflight
+        if depth.takes:
+            values["ahead"] = depth.ahead
+        self._run_depth.add(depth)
+        self.rank_report.add_pipeline_depth(depth)
         return values
+
+    def pipeline_summary(self) -> str | None:
+        """Main rank: the verdict over every logged window of the run (None when nothing was logged)."""
+        (target_wait, target_wall), (drafter_wait, drafter_wall) = self._run_waits["target"], self._run_waits["drafter"]
+        if not (target_wall and drafter_wall):
+            return None
+        line = pipeline_line(
+            target_idle=target_wait / target_wall, drafter_idle=drafter_wait / drafter_wall, depth=self._run_depth
+        )
+        return f"pipeline over the run: {line}"
 
     def _received_profiles(self) -> dict[str, StageSummary]:
         profiles, self._target_profiles = self._target_profiles, {}
@@ -301,7 +378,7 @@ class TargetWorker:
         self.should_stop = should_stop
         self.faults = FaultInjection.from_env(world.rank)
         # The global batch list, as the drafters see it.
-        self.data: TrainingData = load_training_data(config, target, rank=0, world_size=1, log=lambda _: None)
+        self.data: TrainingData = load_training_data(config, target, rank=0, world_size=1)
         self.batches_per_step = roles.num_drafters * config.optim.grad_accum
         self.sender = FeatureSender(
             queue_depth=config.placement.queue_depth,
@@ -329,29 +406,25 @@ class TargetWorker:
         notices = NoticeBoard(
             list(self.roles.drafter_ranks), self.roles.header_group, timeout_s=self.config.placement.timeout_s
         )
-        run_index = RunIndex(self.data.sampler)
-        step, stopped = start["step"], False
-        for plans in step_groups(
-            self.data.sampler, epochs=self.config.train.epochs, micro_batches_per_step=self.batches_per_step
-        ):
-            if stopped or step >= start["total_steps"] or notices.arrived():
-                break
-            for position, plan in enumerate(plans):
-                if target_slot(run_index(plan.epoch, plan.index), self.roles.num_targets) != self.roles.slot:
-                    continue
-                if notices.arrived():
-                    stopped = True
+        # Host batches (collation, anchors, labels, pinned memory) are made ahead on a worker thread.
+        prefetcher = Prefetcher(self._my_batches(start), depth=self._prefetch_depth(), name="dflash-target-prefetch")
+        steps = start["step"]
+        try:
+            for step, position, plan, host_batch in prefetcher:
+                if notices.arrived():  # the drafters ended (a stop): END follows what was sent
                     break
                 self.faults.at_step(step + 1)
-                self._produce(plan, step=step, position=position, capture=capture, start=start)
-            step += 1
+                self._produce(plan, host_batch, step=step, position=position, capture=capture, start=start)
+                steps = step + 1
+        finally:
+            prefetcher.close()
         for rank in self.roles.drafter_ranks:
             self.sender.end(rank)
         self.sender.finish()
         codes = notices.wait_all()
         return TrainSummary(
             run_dir=Path(self.config.run_dir),
-            steps=step,
+            steps=steps,
             interrupted=NOTICE_STOP in codes.values(),
             last_checkpoint=None,
             final_loss=None,
@@ -360,22 +433,47 @@ class TargetWorker:
             data_stats=dataclasses.asdict(self.data.dataset.stats),
         )
 
+    def _my_batches(self, start: dict[str, Any]) -> Iterator[tuple[int, int, BatchPlan, TrainBatch]]:
+        """(step, position in the step, plan, host batch) of every micro-batch this rank computes, in schedule
+        order (runs on the prefetch worker, which alone touches the sampler)."""
+        run_index = RunIndex(self.data.sampler)
+        groups = step_groups(
+            self.data.sampler, epochs=self.config.train.epochs, micro_batches_per_step=self.batches_per_step
+        )
+        # The step range comes first: zip stops on it without taking a group past `total_steps`.
+        for step, plans in zip(range(start["step"], start["total_steps"]), groups, strict=False):
+            for position, plan in enumerate(plans):
+                if target_slot(run_index(plan.epoch, plan.index), self.roles.num_targets) != self.roles.slot:
+                    continue
+                batch = plan_to_host_batch(
+                    plan,
+                    self.data,
+                    block_size=start["block_size"],
+                    mask_token_id=start["mask_token_id"],
+                    config=self.config,
+                    device=self.world.device,
+                )
+                yield step, position, plan, batch
+
+    def _prefetch_depth(self) -> int:
+        """`data.prefetch_steps` optimizer steps of this rank's share of micro-batches (0: made inline)."""
+        share = -(-self.batches_per_step // self.roles.num_targets)
+        return self.config.data.prefetch_steps * share
+
     def _produce(
-        self, plan: BatchPlan, *, step: int, position: int, capture: FeatureCapture, start: dict[str, Any]
+        self,
+        plan: BatchPlan,
+        host_batch: TrainBatch,
+        *,
+        step: int,
+        position: int,
+        capture: FeatureCapture,
+        start: dict[str, Any],
     ) -> None:
-        device = self.world.device
         with self.profiler.stage("data"):
-            batch = plan_to_batch(
-                plan,
-                self.data,
-                block_size=start["block_size"],
-                mask_token_id=start["mask_token_id"],
-                config=self.config,
-                device=device,
-            )
+            batch = host_batch.to(self.world.device)
         with self.profiler.stage("target_forward"):
-            doc_ids = batch.doc_ids if batch.packed else None
-            outputs = capture.capture(batch.input_ids, batch.position_ids, doc_ids)
+            outputs = batch.capture_target(capture)
         host, tensors = pack_batch(
             batch, outputs, num_features=len(start["layer_ids"]), split=self.config.placement.split_features
         )
@@ -396,8 +494,10 @@ class TargetWorker:
             },
         }
         if self.profiler.enabled:
-            # This rank's stages since its previous header; the receiving drafter adds them to the report.
-            meta["profile"] = {stage: list(stats) for stage, stats in self.profiler.summary().items()}
+            # This rank's stages since its previous header, and the time that covers (the header reaches the
+            # report later, by up to the window and the drafter's receive queue); the drafter adds them.
+            summary = self.profiler.summary(covered=True)
+            meta["profile"] = {stage: list(stats) for stage, stats in summary.items()}
             self.profiler.reset()
         with self.profiler.stage("send"):
             self.sender.send(destination, meta=meta, tensors=tensors)
@@ -435,6 +535,8 @@ def run_disaggregated(
     else:
         wait_for_data()
     if roles.role == "target":
+        if config.target.fp8:  # after any regeneration: the data comes from the real target
+            quantize_target_to_fp8(target)
         worker = TargetWorker(config, roles=roles, world=world, target=target, should_stop=should_stop)
         return worker.run(), None
     trainer = DrafterTrainer(config, roles=roles, world=world, target=target, should_stop=should_stop)

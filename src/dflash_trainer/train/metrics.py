@@ -37,6 +37,8 @@ from typing import TYPE_CHECKING, TextIO
 import torch
 from tqdm import tqdm
 
+from ..errors import is_storage_error, storage_error
+
 if TYPE_CHECKING:
     from torch.utils.tensorboard import SummaryWriter
 
@@ -100,8 +102,13 @@ class MetricsLogger:
                 raise ValueError(f"metric name {name!r} is reserved for the record's own field")
             record[name] = _json_value(name, value)
         # Flushed per line: a crash loses at most the line being written.
-        self._file.write(json.dumps(record) + "\n")
-        self._file.flush()
+        try:
+            self._file.write(json.dumps(record) + "\n")
+            self._file.flush()
+        except OSError as error:
+            if is_storage_error(error):
+                raise storage_error("metrics", self.path, error) from error
+            raise
         if self._tb_writer is not None:
             for name, value in record.items():
                 if name in RECORD_FIELDS:

@@ -14,13 +14,15 @@ from pathlib import Path
 
 import torch
 
-from ..config import RunConfig, config_from_dict
+from ..config import ConfigError, RunConfig, config_from_dict
 from ..data.prepare import prepare
 from ..data.prompts import load_prompt_set
+from ..data.shards import check_shards_tokenizer
 from ..distributed.world import World, init_world, shutdown_world
-from ..target.loader import LoadedTarget, load_target
+from ..errors import UserError
+from ..target.loader import LoadedTarget, load_target, quantize_target_to_fp8
 from . import checkpoint as ckpt
-from .trainer import Trainer, TrainSummary
+from .trainer import Trainer, TrainSummary, drafter_model_config
 
 
 def parse_prompt_source(source: str) -> tuple[str, str]:
@@ -40,7 +42,9 @@ def write_prompt_chats(source: str, out_file: Path, *, limit: int | None) -> Pat
     with tmp.open("w") as f:
         for prompt in prompts:
             if prompt.reference is None:
-                raise ValueError(f"prompt set {source}: prompt {prompt.id} has no reference answer; use regenerate")
+                raise ConfigError(
+                    f"prompt set {source}: prompt {prompt.id} has no reference answer; set prepare.regenerate=true"
+                )
             messages = [*prompt.messages, {"role": "assistant", "content": prompt.reference}]
             f.write(json.dumps({"id": prompt.id, "messages": messages}) + "\n")
     tmp.rename(out_file)
@@ -65,7 +69,7 @@ def regenerated_chats(source: str, target: LoadedTarget, out_dir: Path, config: 
         max_new_tokens=config.prepare.max_new_tokens,
         batch_size=config.prepare.regenerate_batch_size,
         limit=config.prepare.limit,
-        # A prompt longer than a training sample may be could never be trained on.
+        # A prompt longer than the longest training sample could never be trained on.
         max_prompt_tokens=config.data.max_seq_len,
     )
     print(summary.format())
@@ -76,10 +80,12 @@ def ensure_train_data(config: RunConfig, target: LoadedTarget, log: Callable[[st
     """Build `data.train_shards` from `prepare.source` when it does not exist yet (cached afterwards)."""
     shards = Path(config.data.train_shards)
     if (shards / "manifest.json").is_file():
+        if config.data.check_tokenizer:
+            check_shards_tokenizer(shards, target.tokenizer, target.name)
         return shards
     source = config.prepare.source
     if not source:
-        raise FileNotFoundError(
+        raise ConfigError(
             f"data.train_shards={shards}: no shards there and no prepare.source to build them from "
             "(run `dflash-trainer prepare` or set prepare.source)"
         )
@@ -99,6 +105,31 @@ def ensure_train_data(config: RunConfig, target: LoadedTarget, log: Callable[[st
     )
     log(summary.format())
     return shards
+
+
+def validate_drafter_settings(config: RunConfig, target: LoadedTarget) -> None:
+    """The drafter's settings against the loaded target (mask token, taps, block size, an `init_from` drafter),
+    right after the target loads and before any data work: a bad value must not surface after regeneration."""
+    try:
+        drafter_model_config(config, target)
+    except UserError:
+        raise
+    except ValueError as error:
+        raise ConfigError(f"drafter: {error}") from error
+    if config.drafter.init_from:
+        from ..export import check_drafter_fits_target, check_servable, read_drafter_config
+
+        initial = read_drafter_config(config.drafter.init_from)
+        check_drafter_fits_target(
+            initial, target.config, drafter_source=config.drafter.init_from, target_name=target.name
+        )
+        check_servable(initial, accept_sliding_window_mismatch=config.drafter.accept_sliding_window_mismatch)
+
+
+def prepare_for_training(config: RunConfig, target: LoadedTarget) -> Path:
+    """What the rank holding the target does before training: check the drafter settings, then the data."""
+    validate_drafter_settings(config, target)
+    return ensure_train_data(config, target)
 
 
 def load_config_target(config: RunConfig, device: str | None = None) -> LoadedTarget:
@@ -123,6 +154,7 @@ def run_training(
 ) -> TrainSummary:
     """Train (colocated or disaggregated, per `placement`), then export, evaluate and plot on the main rank.
     Joins and leaves the process group itself unless given the `world` (launch.py gives it)."""
+    ckpt.preflight(config)
     if world is not None:
         return _run_training(config, world, should_stop)
     world = init_world(config.target.device, timeout_s=config.placement.timeout_s)
@@ -141,17 +173,20 @@ def _run_training(config: RunConfig, world: World, should_stop: Callable[[], boo
             config,
             world,
             should_stop=should_stop,
-            prepare_data=ensure_train_data,
+            prepare_data=prepare_for_training,
             wait_for_data=lambda: wait_for_shards(Path(config.data.train_shards)),
         )
         if trainer is None or not trainer.is_main:
             return summary
     else:
         target = load_config_target(config, device=str(world.device))
+        validate_drafter_settings(config, target)
         if world.is_main:
             ensure_train_data(config, target)
         else:
             wait_for_shards(Path(config.data.train_shards))
+        if config.target.fp8:  # after any regeneration: the data comes from the real target
+            quantize_target_to_fp8(target)
         trainer = Trainer(config, should_stop=should_stop, target=target, world=world)
         summary = trainer.fit()
         if not world.is_main:
@@ -164,13 +199,22 @@ def _run_training(config: RunConfig, world: World, should_stop: Callable[[], boo
     from ..export import export_drafter
 
     drafter = trainer.exportable_drafter()
-    export_drafter(drafter, export_dir)
+    export_drafter(
+        drafter,
+        export_dir,
+        source=run_dir,
+        # The run's own directory (possibly copied from another machine, under another path): always its export.
+        overwrite=True,
+        accept_sliding_window_mismatch=config.drafter.accept_sliding_window_mismatch,
+    )
     if config.eval.at_end:
         from ..eval.runner import evaluate
         from ..export import import_drafter
 
-        # Disaggregated drafter ranks hold no decoder layers: load the whole target for the evaluation.
-        target = target or load_config_target(config, device=str(world.device))
+        # Disaggregated drafter ranks hold no decoder layers, and an FP8 target is not the real one: load the whole
+        # target, as it is, for the evaluation.
+        if target is None or config.target.fp8:
+            target = load_config_target(config, device=str(world.device))
         # Evaluate what users serve: the exported file, read back in the target's dtype.
         exported = import_drafter(export_dir, device=target.device, dtype=target.dtype)
         report = evaluate(
@@ -256,12 +300,14 @@ def resolve_checkpoint(path: str | Path) -> Path:
     """A run dir (newest checkpoint), a training checkpoint, or an exported drafter directory."""
     path = Path(path)
     if (path / "checkpoints").is_dir():
-        newest = ckpt.latest_checkpoint(path)
+        newest = ckpt.newest_intact_checkpoint(path, drafter_only=True)
         if newest is None:
-            raise FileNotFoundError(f"{path}: run directory without checkpoints")
+            raise ckpt.CheckpointError(f"{path}: run directory without checkpoints")
         return newest
     if not path.is_dir():
-        raise FileNotFoundError(f"{path}: no such checkpoint directory")
+        raise ckpt.CheckpointError(f"{path}: no such checkpoint directory")
+    if (path / ckpt.MANIFEST).is_file():
+        ckpt.verify_checkpoint(path)
     return path
 
 
@@ -275,12 +321,34 @@ def load_drafter_any(path: str | Path, device: torch.device | str = "cpu"):
     return import_drafter(path, device=device), path
 
 
-def export_command(*, checkpoint: str, out_dir: str, dtype: str) -> None:
+def export_command(
+    *, checkpoint: str, out_dir: str, dtype: str, overwrite: bool = False, accept_sliding_window_mismatch: bool = False
+) -> None:
     from ..export import export_drafter
 
     drafter, source = load_drafter_any(checkpoint)
-    export_drafter(drafter, out_dir, dtype=getattr(torch, dtype))
+    # A checkpoint's run directory is the export's source: later checkpoints of the run may replace it.
+    run = source.parent.parent if source.parent.name == "checkpoints" else source
+    export_drafter(
+        drafter,
+        out_dir,
+        dtype=getattr(torch, dtype),
+        source=run,
+        overwrite=overwrite,
+        accept_sliding_window_mismatch=accept_sliding_window_mismatch,
+    )
     print(f"exported {source} -> {out_dir}")
+
+
+def run_config_of(checkpoint: Path) -> RunConfig:
+    """The run config saved in a training checkpoint (`config.yaml`)."""
+    import yaml
+
+    path = checkpoint / "config.yaml"
+    try:
+        return config_from_dict(yaml.safe_load(path.read_text(encoding="utf-8")) or {})
+    except (OSError, yaml.YAMLError, UnicodeDecodeError) as error:
+        raise ConfigError(f"{path}: unreadable: {error}") from error
 
 
 def eval_command(
@@ -295,17 +363,20 @@ def eval_command(
     dtype: str,
 ) -> None:
     from ..eval.runner import evaluate
-    from ..export import cast_keeping_rope_fp32
+    from ..export import cast_keeping_rope_fp32, check_drafter_fits_target
 
     drafter, source = load_drafter_any(drafter_path)
-    if target is None:
-        config_file = source / "config.yaml"
-        if not config_file.is_file():
-            raise ValueError(f"{source}: no config.yaml to read the target from; pass --target")
-        import yaml
-
-        target = config_from_dict(yaml.safe_load(config_file.read_text())).target.name_or_path
-    loaded = load_target(target, dtype=dtype)
+    target_config = run_config_of(source).target if (source / "config.yaml").is_file() else None
+    if target is None and target_config is None:
+        raise ConfigError(f"{source}: no config.yaml to read the target from; pass --target")
+    loaded = load_target(
+        target or target_config.name_or_path,
+        dtype=dtype,
+        # The checkpoint's cache of a converted GGUF target (no second conversion) and attention kernel.
+        cache_dir=target_config.cache_dir if target_config else None,
+        attn_implementation=target_config.attn_implementation if target_config else "sdpa",
+    )
+    check_drafter_fits_target(drafter.config, loaded.config, drafter_source=source, target_name=loaded.name)
     # In the target's dtype, as a server runs it (RoPE frequencies stay float32).
     drafter = cast_keeping_rope_fp32(drafter.to(loaded.device), loaded.dtype).eval()
     report = evaluate(

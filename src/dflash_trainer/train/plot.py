@@ -3,7 +3,9 @@
 Used at the end of training (`metrics.plot_at_end`) and by `dflash-trainer plot RUN_DIR`. Draws with
 matplotlib's object API (no pyplot; PNGs render on the Agg canvas): no display needed and no global figure
 state.
-Plots whose metrics are missing are skipped, so a short or partial run still gets what it has.
+Plots whose metrics are missing are skipped, so a short or partial run still gets what it has; a metrics file
+with no readable record at all (empty, torn, not JSONL) is a `PlotError` saying so, never a silent "nothing"
+(and `dflash-trainer plot` refuses a run whose records hold nothing to draw).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from matplotlib.cm import ScalarMappable
 from matplotlib.colors import Normalize
 from matplotlib.figure import Figure
 
+from dflash_trainer.errors import UserError
 from dflash_trainer.train.metrics import METRICS_FILE
 
 PLOTS_DIR = "plots"
@@ -29,10 +32,17 @@ SMOOTH_WINDOW_FRACTION = 0.05
 Record = dict[str, object]
 
 
+class PlotError(UserError):
+    """The run directory has no metrics file, or no record in it can be drawn."""
+
+
 def plot_run(run_dir: str | Path, out_dir: str | Path | None = None) -> list[Path]:
     """Draw the run's curves into `out_dir` (default `run_dir/plots`); return the PNG paths written."""
     run_dir = Path(run_dir)
-    records = read_metrics(run_dir / METRICS_FILE)
+    path = run_dir / METRICS_FILE
+    records = read_metrics(path)
+    if not records:
+        raise PlotError(f"{path}: no complete metrics record to plot (the file is empty, torn or not JSONL)")
     out_dir = Path(out_dir) if out_dir is not None else run_dir / PLOTS_DIR
     out_dir.mkdir(parents=True, exist_ok=True)
     written: list[Path] = []
@@ -40,9 +50,9 @@ def plot_run(run_dir: str | Path, out_dir: str | Path | None = None) -> list[Pat
         figure = draw(records)
         if figure is None:
             continue
-        path = out_dir / f"{name}.png"
-        figure.savefig(path, dpi=110)
-        written.append(path)
+        png = out_dir / f"{name}.png"
+        figure.savefig(png, dpi=110)
+        written.append(png)
     return written
 
 
@@ -50,8 +60,8 @@ def read_metrics(path: Path) -> list[Record]:
     """Records of a metrics file in order. A torn last line (run killed mid-write) is skipped silently; other
     unreadable lines are skipped with a warning naming the line."""
     if not path.exists():
-        raise FileNotFoundError(f"{path}: no metrics file (is this a run directory?)")
-    lines = path.read_text(encoding="utf-8").splitlines()
+        raise PlotError(f"{path}: no metrics file (is this a run directory?)")
+    lines = path.read_text(encoding="utf-8", errors="replace").splitlines()
     records: list[Record] = []
     for line_number, line in enumerate(lines, start=1):
         if not line.strip():

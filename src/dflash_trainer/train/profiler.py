@@ -7,14 +7,20 @@ The old system was optimised by guessing until a profiler like this measured eac
         features = capture(...)
     profiler.maybe_report(step)
 
-Intrusive by design: when enabled on CUDA, each stage ends with `torch.cuda.synchronize`, so that the GPU work
-a stage queued is billed to that stage rather than to whichever later stage happens to wait for it. That sync
-removes the CPU/GPU overlap the trainer normally has, so steps are slower while profiling; the shares are still
-the right guide to what dominates. GPU work queued outside any stage is billed to the next stage. When disabled
+Intrusive by design: when enabled on CUDA, each stage ends by waiting for the current stream (the stream the
+stage queued its work on), so that the GPU work a stage queued is billed to that stage rather than to whichever
+later stage happens to wait for it. That sync removes the CPU/GPU overlap the trainer normally has, so steps are
+slower while profiling; the shares are still the right guide to what dominates. GPU work queued outside any
+stage is billed to the next stage. Only the current stream is waited for, never the whole device: work on other
+streams that the compute stream does not depend on, such as a point-to-point send on NCCL's stream that waits
+for its receiver, is not billed to the stage that posted it (a device-wide sync would turn every posted send
+into a blocking one and keep a profiled target from running ahead of its drafters). Communication the compute
+stream does wait for (a DDP all-reduce at the end of backward, a received payload) is billed as usual. When disabled
 (`interval_s <= 0`) it costs nothing: `stage()` returns one shared no-op context manager and reads no clock.
 
 Stage names used by the trainer: data, target_forward, feature_pack, mask_build, drafter_forward, loss,
-backward, optimizer, checkpoint, eval. Stages do not nest.
+backward, optimizer, checkpoint, eval; with the disaggregated placement also recv_wait (drafters), send_wait
+and send (targets). Stages do not nest.
 """
 
 from __future__ import annotations
@@ -30,6 +36,10 @@ import torch
 
 PROFILE_INTERVAL_ENV = "DFLASH_PROFILE_INTERVAL"
 UNTRACKED_STAGE = "(untracked)"
+# A summary that reaches the report from another rank at other moments than the report's own interval (a target
+# rank's, sent in batch headers) carries the time it covers under this name; that rank's shares are taken
+# against it instead of the report's interval.
+COVERED_STAGE = "(covered)"
 
 
 class StageStats(NamedTuple):
@@ -59,8 +69,8 @@ class _StageTimer:
 
     def __exit__(self, *exc_info: object) -> None:
         if self._profiler.sync_device is not None:
-            # The profiler's one sync (see the module docstring): wait for this stage's GPU work.
-            torch.cuda.synchronize(self._profiler.sync_device)
+            # The profiler's one sync (see the module docstring): wait for this stage's GPU work, on its stream.
+            torch.cuda.current_stream(self._profiler.sync_device).synchronize()
         elapsed = time.perf_counter() - self._started
         self.count += 1
         self.sum_s += elapsed
@@ -117,13 +127,18 @@ class StageProfiler:
             timer = self._timers[name] = _StageTimer(self)
         return timer
 
-    def summary(self) -> StageSummary:
-        """Stages entered since the last reset: (count, total seconds, max seconds)."""
-        return {
+    def summary(self, *, covered: bool = False) -> StageSummary:
+        """Stages entered since the last reset: (count, total seconds, max seconds); `covered`: with the time
+        since the last reset as `COVERED_STAGE`."""
+        stages = {
             name: StageStats(timer.count, timer.sum_s, timer.max_s)
             for name, timer in self._timers.items()
             if timer.count > 0
         }
+        if covered:
+            elapsed = self.seconds_since_reset()
+            stages[COVERED_STAGE] = StageStats(1, elapsed, elapsed)
+        return stages
 
     def seconds_since_reset(self) -> float:
         return time.perf_counter() - self._interval_start
@@ -154,16 +169,25 @@ class StageProfiler:
         return report
 
 
+def covered_seconds(summary: StageSummary, interval_s: float) -> float:
+    """The time `summary` covers: its `COVERED_STAGE` when it has one, else the report's interval."""
+    covered = summary.get(COVERED_STAGE)
+    return covered.sum_s if covered is not None else interval_s
+
+
 def format_report(merged: Mapping[str, StageSummary], *, interval_s: float, step: int | None = None) -> str:
-    """One table for one or more ranks/roles: per stage count, avg ms, max ms and share of the interval, with
-    the untracked remainder, and a last line naming the stage with the largest share."""
+    """One table for one or more ranks/roles: per stage count, avg ms, max ms and share of the time covered
+    (the interval, or the rank's `COVERED_STAGE`), with the untracked remainder, and a last line naming the
+    stage with the largest share."""
     heading = f"stage profile over {interval_s:.1f}s" + (f" at step {step}" if step is not None else "")
     lines = [heading, f"{'rank':<10} {'stage':<16} {'count':>7} {'avg ms':>9} {'max ms':>9} {'share':>7}"]
     largest: tuple[float, str, str] | None = None
     for role, summary in merged.items():
+        covered_s = covered_seconds(summary, interval_s)
         tracked_s = 0.0
-        for stage, stats in sorted(summary.items(), key=lambda item: -item[1].sum_s):
-            share = stats.sum_s / interval_s if interval_s > 0 else 0.0
+        stages = [(stage, stats) for stage, stats in summary.items() if stage != COVERED_STAGE]
+        for stage, stats in sorted(stages, key=lambda item: -item[1].sum_s):
+            share = stats.sum_s / covered_s if covered_s > 0 else 0.0
             avg_ms = 1000 * stats.sum_s / stats.count if stats.count else 0.0
             lines.append(
                 f"{role:<10} {stage:<16} {stats.count:>7} {avg_ms:>9.2f} {1000 * stats.max_s:>9.2f} {share:>7.1%}"
@@ -171,7 +195,7 @@ def format_report(merged: Mapping[str, StageSummary], *, interval_s: float, step
             tracked_s += stats.sum_s
             if largest is None or share > largest[0]:
                 largest = (share, role, stage)
-        untracked_share = max(interval_s - tracked_s, 0.0) / interval_s if interval_s > 0 else 0.0
+        untracked_share = max(covered_s - tracked_s, 0.0) / covered_s if covered_s > 0 else 0.0
         lines.append(f"{role:<10} {UNTRACKED_STAGE:<16} {'':>7} {'':>9} {'':>9} {untracked_share:>7.1%}")
     if largest is not None:
         share, role, stage = largest

@@ -23,6 +23,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from ..data.sampler import BatchPlan, TokenBudgetSampler
+from ..errors import UserError
 
 
 def step_groups(sampler: TokenBudgetSampler, *, epochs: int, micro_batches_per_step: int) -> Iterator[list[BatchPlan]]:
@@ -71,7 +72,7 @@ class RunIndex:
         return self._offsets[epoch] + index
 
 
-class ResumeError(ValueError):
+class ResumeError(UserError, ValueError):
     """A checkpoint cannot continue with this run's ranks and settings."""
 
 
@@ -128,3 +129,9 @@ def position_of(sampler: TokenBudgetSampler, *, batches_per_step: int, layout: s
         batches_per_step=batches_per_step,
         layout=layout,
     )
+
+
+def epoch_progress(sampler: TokenBudgetSampler) -> float:
+    """Fractional epoch of the sampler's position (for the metrics)."""
+    state = sampler.state_dict()
+    return state["epoch"] + state["consumed"] / max(1, sampler.batches_in_epoch(state["epoch"]))

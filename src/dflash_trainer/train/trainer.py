@@ -1,8 +1,27 @@
 """The trainer: target forward (no grad) -> features -> drafter forward -> loss -> backward -> step.
 
 Read `fit` top to bottom: it is the whole loop. Each stage is a small method; the profiler times them when on.
-Host syncs in the loop, all commented where they happen: one finiteness check per optimizer step (a NaN step
-must not reach the weights), and converting the metric counters on log steps.
+
+Host work off the critical path. The colocated trainer prepares whole optimizer steps of batches (collation,
+anchors, labels, the flex mask's tile tables, pinned memory) on a background thread, `data.prefetch_steps` steps
+ahead (`train/prefetch.py`); the training thread only issues their non-blocking copies ("data" stage) and waits
+for the next step when the worker is behind ("prefetch_wait" stage, `wait_prefetch_s` per step in the metrics).
+The sampler runs ahead with the worker, so each prepared step carries the sampler position after its batches,
+and checkpoints save the position of the last step *trained* (what a resume must continue from), never the
+sampler's own.
+
+Host syncs. None inside a step; on log steps the metric counters are converted (`_log_step`), and each step
+reads the previous step's flags (below), a sync on work the device finished while this step was being queued.
+Non-finite steps and stop agreement: after backward, each step computes device flags [non-finite loss or
+gradient, stop requested on this rank], MAX-reduced over the ranks of the group (a device-side collective); the
+flags' first entry is fused AdamW's `found_inf`, so a non-finite step skips its update on the device (weights
+and optimizer state untouched, as GradScaler does) without the host looking. The host reads the flags one step
+later, just before queuing that step's update: `on_nonfinite: stop` then raises NonFiniteLossError naming the
+bad step and its samples (the weights are those from before it), `skip` counts it; a stop agreed at step s ends
+the run after step s+1, on every rank alike. Differences from the former per-step sync: the stop takes effect one
+step later; detection is unchanged. Where the device cannot skip (FSDP2's sharded parameters, an optimizer
+without `found_inf`) or `train.sync_every_step` is set, the flags are read right away instead (one sync per step,
+as before).
 
 `Trainer` is the colocated placement (every rank runs target and drafter; one process is the one-rank case).
 The disaggregated placement's drafter ranks run the same loop with the features arriving from target ranks
@@ -22,6 +41,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from ..config import RunConfig
 from ..data.sampler import BatchPlan
@@ -40,10 +60,10 @@ from ..target.capture import (
     embedding_module,
     lm_head_module,
 )
-from ..target.loader import LoadedTarget, find_spare_mask_token_id, load_target, resolve_device
+from ..target.loader import LoadedTarget, load_target, resolve_device, resolve_mask_token_id
 from . import checkpoint as ckpt
 from .batch import TrainBatch
-from .data_setup import load_training_data, plan_to_batch
+from .data_setup import load_training_data, plan_to_host_batch
 from .metrics import (
     MetricsLogger,
     Progress,
@@ -55,9 +75,10 @@ from .metrics import (
     peak_memory_gib,
 )
 from .optim import build_optimizer, build_scheduler
+from .prefetch import Prefetcher
 from .profiler import StageProfiler
 from .rank_report import RankProfileReport
-from .schedule import DataPosition, count_steps, position_of, step_groups
+from .schedule import DataPosition, count_steps, epoch_progress, position_of, step_groups
 from .sharding import make_sync
 
 
@@ -80,9 +101,7 @@ class TrainSummary:
 def drafter_model_config(config: RunConfig, target: LoadedTarget) -> DrafterModelConfig:
     """The one place the drafter's architecture is derived from the recipe and the target."""
     drafter = config.drafter
-    mask_token_id = drafter.mask_token_id
-    if mask_token_id is None:
-        mask_token_id = find_spare_mask_token_id(target.tokenizer, target.config, stop_token_ids=target.stop_token_ids)
+    mask_token_id = resolve_mask_token_id(drafter.mask_token_id, target)
     return DrafterModelConfig.from_target(
         target.config,
         num_layers=drafter.num_layers,
@@ -107,6 +126,23 @@ class StepWork:
     # Multiplies each micro-batch loss so that the synced gradient is the step's mean: 1 / this rank's
     # micro-batches when the sync averages over ranks (DDP, FSDP2), 1 / the whole step's when it sums them.
     loss_scale: float
+    # Where the data stands once this step's batches are handed out, when they were prepared ahead of training
+    # (the sampler has moved on by then); None: the sampler's own state is this step's.
+    sampler_state: dict | None = None
+    position: DataPosition | None = None
+    epoch_progress: float | None = None
+
+    def to(self, device: torch.device) -> StepWork:
+        return dataclasses.replace(self, batches=[batch.to(device) for batch in self.batches])
+
+
+@dataclass
+class StepFlags:
+    """One step's device flags [non-finite, stop] (reduced over ranks), read on the host later."""
+
+    step: int
+    flags: torch.Tensor  # [2] float32
+    sample_ids: list[str]
 
 
 class Trainer:
@@ -134,6 +170,7 @@ class Trainer:
             device=str(self.device),
             cache_dir=config.target.cache_dir,
             attn_implementation=config.target.attn_implementation,
+            fp8=config.target.fp8,
         )
         self._setup_data()
         self._setup_drafter()
@@ -141,6 +178,11 @@ class Trainer:
         self.step = 0
         self.skipped_nonfinite = 0
         self.stop_agreed = False
+        self._pending_flags: StepFlags | None = None
+        # The data position of the last trained step, when steps are prepared ahead (see StepWork).
+        self._trained: StepWork | None = None
+        self._prefetcher: Prefetcher[StepWork] | None = None
+        self._logged_prefetch_wait_s = 0.0
         self.profiler = StageProfiler.from_env(
             config.metrics.profile_interval, self.device, sink=self.log, label=self.rank_label()
         )
@@ -184,17 +226,43 @@ class Trainer:
         self.target_params_used = sum(p.numel() for layer in layers for p in layer.parameters())
 
     def _step_groups(self) -> Iterator[StepWork]:
-        """This rank's micro-batches per optimizer step, across epochs, from the sampler's (resumable) position."""
+        """This rank's micro-batches per optimizer step, across epochs, from the sampler's (resumable) position:
+        prepared on the prefetch worker, copied to the device here."""
+        prefetcher = Prefetcher(self._prepared_steps(), depth=self.config.data.prefetch_steps, name="dflash-prefetch")
+        self._prefetcher = prefetcher
+        try:
+            while True:
+                with self.profiler.stage("prefetch_wait"):
+                    work = next(prefetcher, None)
+                if work is None:
+                    return
+                with self.profiler.stage("data"):
+                    work = work.to(self.device)
+                yield work
+        finally:
+            prefetcher.close()
+
+    def _prepared_steps(self) -> Iterator[StepWork]:
+        """Host batches of each step with the data position after them (runs on the prefetch worker: it alone
+        touches the sampler until the loop ends)."""
+        variants = self.drafter.mask_variants if self._tables_in_data_stage else None
+        steps_left = self.total_steps - self.step  # resumed at train.max_steps: nothing left
         for plans in step_groups(
             self.sampler, epochs=self.config.train.epochs, micro_batches_per_step=self.sampler_step_batches
         ):
-            if self.step >= self.total_steps:  # resumed at train.max_steps
+            if steps_left <= 0:
                 return
-            batches = []
-            for plan in plans:
-                with self.profiler.stage("data"):
-                    batches.append(self._make_batch(plan))
-            yield StepWork(batches=batches, outputs=[None] * len(batches), loss_scale=1.0 / len(batches))
+            steps_left -= 1
+            batches = [self._make_host_batch(plan, mask_variants=variants) for plan in plans]
+            state = self.sampler.state_dict()
+            yield StepWork(
+                batches=batches,
+                outputs=[None] * len(batches),
+                loss_scale=1.0 / len(batches),
+                sampler_state=state,
+                position=position_of(self.sampler, batches_per_step=self.batches_per_step, layout=self.layout()),
+                epoch_progress=epoch_progress(self.sampler),
+            )
 
     def _end_of_data(self, *, interrupted: bool) -> None:
         """After the last step, before the final checkpoint."""
@@ -211,7 +279,7 @@ class Trainer:
 
     def _setup_data(self) -> None:
         rank, world_size, self.sampler_step_batches = self._sampler_shard()
-        self.data = load_training_data(self.config, self.target, rank=rank, world_size=world_size, log=self.log)
+        self.data = load_training_data(self.config, self.target, rank=rank, world_size=world_size)
         self.dataset, self.sampler = self.data.dataset, self.data.sampler
         # Global micro-batches per optimizer step (what a resume must keep, see train/schedule.py).
         self.batches_per_step = self.group_size * self.config.optim.grad_accum
@@ -232,7 +300,7 @@ class Trainer:
         else:
             self.drafter = DFlashDrafter(self.model_config).to(self.device)  # fp32 master weights
         if self.config.drafter.compile and self.device.type == "cuda":
-            self.drafter.compile_layers()
+            self.drafter.compile_layers(mode=self.config.drafter.compile_mode)
         self.sync = make_sync(
             self.drafter,
             sharding=self.config.placement.sharding,
@@ -241,6 +309,8 @@ class Trainer:
             explicit=self.config.placement.disaggregated,
         )
         self.backend = resolve_backend(self.config.drafter.attention_backend, self.device)
+        # flex masks from tile tables: computed by the data stage when it builds the batches here.
+        self._tables_in_data_stage = self.backend == "flex" and self.config.drafter.mask_builder == "anchors"
         self._setup_target_side()
         self.gamma = self.config.loss.gamma or default_gamma(self.model_config.block_size)
         precision = self.config.train.precision
@@ -248,9 +318,12 @@ class Trainer:
         self.autocast_dtype = torch.bfloat16 if use_bf16 else None
 
     def _setup_optimizer(self) -> None:
-        fused = self.device.type == "cuda"
-        self.optimizer = build_optimizer(self.drafter, self.config.optim, fused=fused)
+        # Fused AdamW (CUDA and CPU) takes `found_inf`, so a non-finite step is skipped on the device; FSDP2's
+        # sharded parameters are DTensors, which it does not take with a plain flag: those read flags at once.
+        self.optimizer = build_optimizer(self.drafter, self.config.optim, fused=True)
         self.scheduler = build_scheduler(self.optimizer, self.config.optim, total_steps=self.total_steps)
+        sharded = any(isinstance(p, DTensor) for p in self.drafter.parameters())
+        self._skip_on_device = not sharded and not self.config.train.sync_every_step
 
     def flops_per_token(self, blocks_per_token: float) -> float:
         return dflash_flops_per_token(
@@ -303,6 +376,7 @@ class Trainer:
         try:
             for work in self._step_groups():
                 self._optimizer_step(work.batches, outputs=work.outputs, loss_scale=work.loss_scale)
+                self._trained = work if work.sampler_state is not None else None
                 self.progress.update()
                 if self.step % self.config.metrics.log_every == 0 or self.step == self.total_steps:
                     last_values = self._log_step()
@@ -315,10 +389,13 @@ class Trainer:
                     break
                 if self.step >= self.total_steps:
                     break
+            self._settle_flags()
             self._end_of_data(interrupted=interrupted)
             if last_checkpoint is None or not last_checkpoint.name.endswith(f"{self.step:08d}"):
                 last_checkpoint = self.save_checkpoint()
         finally:
+            if self._prefetcher is not None:
+                self._prefetcher.close()
             self.progress.close()
             self.logger.close()
         if interrupted:
@@ -334,15 +411,21 @@ class Trainer:
             data_stats=dataclasses.asdict(self.dataset.stats),
         )
 
-    def _make_batch(self, plan: BatchPlan) -> TrainBatch:
-        return plan_to_batch(
+    def _make_host_batch(self, plan: BatchPlan, *, mask_variants=None) -> TrainBatch:
+        return plan_to_host_batch(
             plan,
             self.data,
             block_size=self.model_config.block_size,
             mask_token_id=self.model_config.mask_token_id,
             config=self.config,
             device=self.device,
+            mask_variants=mask_variants,
         )
+
+    def make_batch(self, plan: BatchPlan) -> TrainBatch:
+        """The batch of `plan` on this rank's device, as the training loop gets it (for benchmarks and tests)."""
+        variants = self.drafter.mask_variants if self._tables_in_data_stage else None
+        return self._make_host_batch(plan, mask_variants=variants).to(self.device)
 
     def _optimizer_step(
         self,
@@ -365,40 +448,57 @@ class Trainer:
             grad_norm = self.sync.local_norm(
                 torch.nn.utils.clip_grad_norm_(self.drafter.parameters(), self.config.optim.grad_clip)
             )
-            finite = self._agree_step(grad_norm, step_metrics.loss_sum)
-            if finite:
+            flags = StepFlags(
+                step=self.step + 1,
+                flags=self._step_flags(grad_norm, step_metrics.loss_sum),
+                sample_ids=[sid for batch in micro_batches for sid in batch.sample_ids],
+            )
+            # The previous step's flags: its work is done or nearly (this step's is queued behind it).
+            self._settle_flags()
+            self._pending_flags = flags
+            if self._skip_on_device:
+                self.optimizer.found_inf = flags.flags[0]  # fused AdamW skips the whole update when it is 1
                 self.optimizer.step()
-            else:
-                self._handle_nonfinite(micro_batches)
+            elif self._settle_flags():  # sync (FSDP2 / sync_every_step): decide on the host
+                self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
             self.scheduler.step()
         self.step += 1
         self.window_steps += 1
-        if finite:
-            self.window_metrics.add_(step_metrics)
+        # A skipped step's metrics do not count (`where`: a NaN times 0 would still be NaN).
+        self.window_metrics.add_(
+            LossMetrics.from_tensor(torch.where(flags.flags[0] > 0, 0.0, step_metrics.to_tensor()))
+        )
         self.last_grad_norm = grad_norm
         tokens = sum(b.num_tokens for b in micro_batches)
         self.window_blocks += sum(b.num_blocks for b in micro_batches)
         self.throughput.record_step(tokens)
 
-    def _agree_step(self, grad_norm: torch.Tensor, loss_sum: torch.Tensor) -> bool:
-        """Sync (one per optimizer step): a NaN/inf step must be caught before it reaches the weights, and all
-        ranks must agree on stopping (a signal can reach them at different steps). One small all-reduce."""
-        flags = torch.stack(
-            [
-                (~(torch.isfinite(grad_norm) & torch.isfinite(loss_sum))).to(torch.float32),
-                torch.tensor(float(self.should_stop()), device=grad_norm.device),
-            ]
-        )
+    def _step_flags(self, grad_norm: torch.Tensor, loss_sum: torch.Tensor) -> torch.Tensor:
+        """[2] float32 on the device: (non-finite loss or gradient, stop requested), MAX over the group's ranks.
+        Built without host-to-device copies (a copy from pageable memory would be a sync); the all-reduce is
+        ordered on the device streams, so nothing here waits on the host."""
+        nonfinite = ~(torch.isfinite(grad_norm) & torch.isfinite(loss_sum))
+        stop = torch.full((), float(self.should_stop()), device=grad_norm.device)
+        flags = torch.stack([nonfinite.to(torch.float32), stop])
         if self.group_size > 1:
             dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.group)
-        nonfinite, stop = flags.tolist()
-        self.stop_agreed = stop > 0
+        return flags
+
+    def _settle_flags(self) -> bool:
+        """Read the pending step's flags on the host (the sync) and act on them; True when that step was finite
+        (or none is pending). Raises NonFiniteLossError for a non-finite step under `on_nonfinite: stop`."""
+        pending, self._pending_flags = self._pending_flags, None
+        if pending is None:
+            return True
+        nonfinite, stop = pending.flags.tolist()
+        self.stop_agreed = self.stop_agreed or stop > 0
+        if nonfinite > 0:
+            self._handle_nonfinite(pending)
         return nonfinite == 0
 
-    def _handle_nonfinite(self, micro_batches: list[TrainBatch]) -> None:
-        sample_ids = [sid for batch in micro_batches for sid in batch.sample_ids]
-        message = f"non-finite loss or gradient at step {self.step + 1}; samples {sample_ids[:20]}"
+    def _handle_nonfinite(self, pending: StepFlags) -> None:
+        message = f"non-finite loss or gradient at step {pending.step}; samples {pending.sample_ids[:20]}"
         if self.config.train.on_nonfinite == "stop":
             raise NonFiniteLossError(message)
         self.skipped_nonfinite += 1
@@ -407,9 +507,7 @@ class Trainer:
     def _forward_backward(self, batch: TrainBatch, outputs: TargetOutputs | None, *, scale: float) -> LossMetrics:
         if outputs is None:
             with self.profiler.stage("target_forward"):
-                # Rows of one document need no document mask, which keeps SDPA on its flash kernel.
-                doc_ids = batch.doc_ids if batch.packed else None
-                outputs = self.capture.capture(batch.input_ids, batch.position_ids, doc_ids)
+                outputs = batch.capture_target(self.capture)
         with self.profiler.stage("feature_pack"):
             features = self._noisy(outputs.features)
             with torch.no_grad():
@@ -422,6 +520,8 @@ class Trainer:
                 block_size=self.model_config.block_size,
                 variants=self.drafter.mask_variants,
                 backend=self.backend,
+                builder=self.config.drafter.mask_builder,
+                tables=batch.mask_tables,
             )
         autocast = (
             torch.autocast(self.device.type, dtype=self.autocast_dtype)
@@ -461,6 +561,7 @@ class Trainer:
                     target_hidden=target_hidden,
                     chunk_blocks=loss_config.chunk_blocks,
                     lm_head_bias=getattr(self.lm_head, "bias", None),
+                    compile=loss_config.compile,
                 )
         with self.profiler.stage("backward"):
             (result.loss * scale).backward()
@@ -477,6 +578,7 @@ class Trainer:
     # ------------------------------------------------------------------------------------------------ logging
 
     def _log_step(self) -> dict:
+        self._settle_flags()  # so the skipped-step count is current (log steps sync anyway)
         window = self.throughput.take()
         metrics = self.window_metrics
         tokens, blocks = window.tokens, self.window_blocks
@@ -491,7 +593,7 @@ class Trainer:
         # Sync (log steps only): device counters become host numbers here and nowhere else.
         acc_per_slot = metrics.slot_accuracy()[1:].tolist()
         values = {
-            "epoch": self.sampler.epoch + self.sampler.state_dict()["consumed"] / max(1, len(self.sampler)),
+            "epoch": self._epoch_progress(),
             "loss": float(metrics.mean_loss()),
             "acc": sum(acc_per_slot) / max(1, len(acc_per_slot)),
             "acc_per_slot": acc_per_slot,
@@ -509,6 +611,9 @@ class Trainer:
             values["mfu"] = mfu(values["tokens_per_s"], flops, peak * self.world.world_size)
         if self.skipped_nonfinite:
             values["skipped_steps"] = self.skipped_nonfinite
+        if self._prefetcher is not None and self.window_steps:
+            values["wait_prefetch_s"] = (self._prefetcher.wait_s - self._logged_prefetch_wait_s) / self.window_steps
+            self._logged_prefetch_wait_s = self._prefetcher.wait_s
         values.update(self._placement_log_values(self.window_steps))
         eta = self.progress.eta_seconds()
         if eta is not None:
@@ -519,6 +624,16 @@ class Trainer:
         self.rank_report.on_log_step(self.step, self._received_profiles(), last=self.step == self.total_steps)
         self._reset_window_counters()
         return values
+
+    def _epoch_progress(self) -> float:
+        return self._trained.epoch_progress if self._trained is not None else epoch_progress(self.sampler)
+
+    def _trained_data_state(self) -> tuple[dict, DataPosition]:
+        """(sampler state, data position) after the last trained step: what a checkpoint must record."""
+        if self._trained is not None:
+            return self._trained.sampler_state, self._trained.position
+        position = position_of(self.sampler, batches_per_step=self.batches_per_step, layout=self.layout())
+        return self.sampler.state_dict(), position
 
     def _periodic_eval(self) -> None:
         from ..eval.runner import quick_tau
@@ -541,6 +656,7 @@ class Trainer:
         """The main rank writes (replicas are identical; FSDP2 shards are gathered onto it first); the others wait
         so nobody races ahead of a half-written checkpoint."""
         path = ckpt.checkpoint_dir(self.run_dir) / f"step-{self.step:08d}"
+        self._settle_flags()  # a non-finite last step under `stop` must raise before anything is written
         with self.profiler.stage("checkpoint"):
             drafter_state, optimizer_state = self.sync.full_state(self.optimizer)
             if self.is_main:
@@ -550,12 +666,12 @@ class Trainer:
         return path
 
     def _write_checkpoint(self, drafter_state: dict[str, torch.Tensor], optimizer_state: dict) -> Path:
-        position = position_of(self.sampler, batches_per_step=self.batches_per_step, layout=self.layout())
+        sampler_state, position = self._trained_data_state()
         trainer_state = {
             "step": self.step,
             "optimizer": optimizer_state,
             "scheduler": self.scheduler.state_dict(),
-            "sampler": self.sampler.state_dict(),
+            "sampler": sampler_state,
             "data_position": position.to_dict(),
             "rng": ckpt.rng_state(),
             "skipped_nonfinite": self.skipped_nonfinite,
@@ -575,13 +691,10 @@ class Trainer:
         """`checkpoint.resume`: `auto` = newest checkpoint of the run dir if any, `none` = never, else a path.
 
         Every rank reads the checkpoint (a shared filesystem, as for the run directory itself)."""
-        choice = self.config.checkpoint.resume
-        if choice == "none":
+        resumed = ckpt.load_for_resume(self.run_dir, self.config, self.model_config, log=self.log)
+        if resumed is None:
             return None
-        path = ckpt.latest_checkpoint(self.run_dir) if choice == "auto" else Path(choice)
-        if path is None:
-            return None
-        drafter_state, state = ckpt.load_checkpoint(path)
+        path, drafter_state, state = resumed
         self.sampler.load_state_dict(self._resumed_sampler_state(state, source=str(path)))
         self.sync.load_full_state(self.optimizer, drafter_state, state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])

@@ -1,0 +1,63 @@
+#!/usr/bin/env bash
+# Training-step benchmark, both settings in one call, with an ablation per optimisation (issue 10 goals 1-2).
+# Usage on the GPU machine, from the repo root:  bash benchmarks/train_bench.sh    (results under $OUT)
+#   paper setting:  random Qwen3-8B-shaped target, packed 8192-token rows (recipes/bench-qwen3-8b.yaml)
+#   SmolLM2 setting: random SmolLM2-135M-shaped target, the GPU recipe's batch shape (recipes/bench-smollm2.yaml)
+# Each ablation is one more end-to-end phase in the same process with one optimisation switched off.
+# STEPS / WARMUP override the step counts; ABLATIONS=0 runs the baselines only.
+set -u
+OUT=${OUT:-/tmp/train_bench}
+STEPS=${STEPS:-8}
+WARMUP=${WARMUP:-3}
+mkdir -p "$OUT"
+export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
+nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
+
+SMOLLM2_ABLATIONS=()
+PAPER_ABLATIONS=()
+if [ "${ABLATIONS:-1}" != 0 ]; then
+  SMOLLM2_ABLATIONS=(
+    --ablation "no_prefetch:data.prefetch_steps=0"
+    --ablation "mask_mod_builder:drafter.mask_builder=mask_mod"
+    --ablation "eager_loss:loss.compile=false"
+    --ablation "sync_every_step:train.sync_every_step=true"
+    --ablation "no_buckets:data.seq_multiple=1,data.anchor_multiple=1"
+    --ablation "cuda_graphs:drafter.compile_mode=reduce-overhead"
+  )
+  PAPER_ABLATIONS=(
+    --ablation "mask_mod_builder:drafter.mask_builder=mask_mod"
+    --ablation "eager_loss:loss.compile=false"
+  )
+fi
+
+run() {  # name, recipe, ablations...
+  local name=$1 recipe=$2
+  shift 2
+  echo "=== $name"
+  timeout 200 python3 -m dflash_trainer bench "$recipe" --steps "$STEPS" --warmup "$WARMUP" "$@" \
+    --out "$OUT/$name.json" 2>&1 | grep -v "Loading weights" | tee "$OUT/$name.log" | grep -E "^bench:|ms/step|stages|Error|error" 
+}
+run paper recipes/bench-qwen3-8b.yaml "${PAPER_ABLATIONS[@]}"
+run smollm2 recipes/bench-smollm2.yaml "${SMOLLM2_ABLATIONS[@]}"
+
+python3 - "$OUT" <<'PY'
+import json, sys
+from pathlib import Path
+out = Path(sys.argv[1])
+rows = []
+for setting in ("paper", "smollm2"):
+    path = out / f"{setting}.json"
+    if not path.is_file():
+        print(f"{setting}: no results (see {out / (setting + '.log')})")
+        continue
+    for r in json.loads(path.read_text()):
+        rows.append((setting, r))
+print(f"\n{'setting':<8} {'phase':<34} {'ms/step':>8} {'tok/s':>9} {'MFU':>6} {'GiB':>6} {'1st s':>6} {'recomp':>6}  top stages (ms)")
+for setting, r in rows:
+    mfu = f"{100 * r['mfu']:.1f}%" if r["mfu"] is not None else "n/a"
+    top = sorted(r["stages_ms"].items(), key=lambda kv: -kv[1])[:5]
+    stages = ", ".join(f"{k} {v:.0f}" for k, v in top)
+    print(f"{setting:<8} {r['name']:<34} {r['step_ms_median']:8.1f} {r['tokens_per_s']:9.0f} {mfu:>6} "
+          f"{r['peak_mem_gib']:6.1f} {r['first_step_s']:6.1f} {r['recompiles_after_warmup']:>6}  {stages}")
+(out / "summary.json").write_text(json.dumps([{"setting": s, **r} for s, r in rows], indent=2))
+PY
