@@ -242,6 +242,50 @@ def test_template_exception_becomes_record_error():
 
 
 # ----------------------------------------------------------------------------------------------------------
+# Replies cut at a token limit (regeneration's `"truncated": true`): open turns, no end-of-turn token
+
+CUT_CONVERSATION = [
+    {"role": "user", "content": "What is two plus two?"},
+    {"role": "assistant", "content": "Two plus two is four."},
+    {"role": "user", "content": "And times three?"},
+    {"role": "assistant", "content": "Twelve, because four times", "truncated": True},
+    {"role": "user", "content": "Go on."},
+    {"role": "assistant", "content": "Three."},
+]
+
+
+@pytest.mark.parametrize("fixture", ["smollm2", "chatml"])
+def test_truncated_reply_ends_the_sample_without_end_of_turn(fixture, request):
+    tokenizer = request.getfixturevalue(fixture)
+    input_ids, loss_mask = tokenize_conversation(tokenizer, CUT_CONVERSATION)
+    # The cut reply is trained on its content only, and nothing after it is in the sample.
+    assert masked_spans(tokenizer, input_ids, loss_mask) == [
+        "Two plus two is four.<|im_end|>",
+        "Twelve, because four times",
+    ]
+    assert decode(tokenizer, input_ids).endswith("<|im_start|>assistant\nTwelve, because four times")
+    assert loss_mask[-1] == 1
+    # Everything before the cut is tokenised as in the conversation without the cut turn's suffix.
+    rendered = tokenizer.apply_chat_template(
+        [{"role": m["role"], "content": m["content"]} for m in CUT_CONVERSATION[:4]], tokenize=False
+    )
+    assert rendered.startswith(decode(tokenizer, input_ids))
+    # Only a final reply cut short: the same rule.
+    ids, mask = tokenize_conversation(tokenizer, CUT_CONVERSATION[2:4])
+    assert masked_spans(tokenizer, ids, mask) == ["Twelve, because four times"]
+
+
+def test_normalize_keeps_the_truncated_flag_and_checks_it():
+    record = {"messages": [{"role": "user", "content": "Q"}, {"role": "assistant", "content": "A", "truncated": True}]}
+    assert normalize_record(record)[1] == {"role": "assistant", "content": "A", "truncated": True}
+    record["messages"][1]["truncated"] = False
+    assert normalize_record(record)[1] == {"role": "assistant", "content": "A"}
+    record["messages"][1]["truncated"] = "yes"
+    with pytest.raises(RecordError, match=r"messages\[1\]\.truncated: must be true or false"):
+        normalize_record(record)
+
+
+# ----------------------------------------------------------------------------------------------------------
 # Reasoning text
 
 

@@ -1,4 +1,5 @@
-"""Regenerating assistant turns with the target: exact greedy replies, multi-turn order, resume after a crash."""
+"""Regenerating assistant turns with the target: exact greedy replies, multi-turn order, replies cut at
+max_new_tokens kept open or dropped, resume after a crash mid-batch, the transformers fallback."""
 
 from __future__ import annotations
 
@@ -9,6 +10,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from decoding_helpers import one_thread  # noqa: F401 (autouse fixture)
+from dflash_trainer.data.chat import tokenize_conversation
+from dflash_trainer.data.prepare import prepare
+from dflash_trainer.data.shards import load_shards
+from dflash_trainer.decoding.batch import BatchDecoder
 from dflash_trainer.target import regenerate as regen
 from dflash_trainer.target.loader import LoadedTarget, load_target
 from dflash_trainer.target.regenerate import RegenerateError, cut_at_stop, regenerate
@@ -43,8 +49,8 @@ def target(tiny_target_dir) -> LoadedTarget:
     return load_target(str(tiny_target_dir), device="cpu")
 
 
-def _greedy_reply(target: LoadedTarget, messages: list[dict]) -> tuple[str, list[int]]:
-    """Reference: one prompt alone through `generate`, cut at the first stop id, decoded as is."""
+def _greedy_reply(target: LoadedTarget, messages: list[dict]) -> tuple[str, list[int], bool]:
+    """Reference: one prompt alone through `generate`; (reply text, new ids, whether a stop token ended it)."""
     text = target.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     prompt = torch.tensor([target.tokenizer(text, add_special_tokens=False)["input_ids"]])
     with torch.no_grad():
@@ -57,26 +63,27 @@ def _greedy_reply(target: LoadedTarget, messages: list[dict]) -> tuple[str, list
             pad_token_id=target.tokenizer.pad_token_id,
         )
     new_ids = output[0, prompt.shape[1] :].tolist()
-    reply_ids, _ = cut_at_stop(new_ids, target.stop_token_ids)
-    return target.tokenizer.decode(reply_ids, skip_special_tokens=False), new_ids
+    reply_ids, stopped = cut_at_stop(new_ids, target.stop_token_ids)
+    return target.tokenizer.decode(reply_ids, skip_special_tokens=False), new_ids, stopped
 
 
 def _expected_conversation(target: LoadedTarget, messages: list[dict]) -> list[dict] | None:
-    """Each assistant turn (and one after a final user turn) replaced in order; None when a reply is empty."""
+    """Each assistant turn (and one after a final user turn) replaced in order; a reply cut at max_new_tokens
+    is marked truncated and ends the conversation; None when a reply is empty."""
     history: list[dict] = []
-    for message in messages:
-        if message["role"] == "assistant":
-            reply, _ = _greedy_reply(target, history)
+    turns = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
+    if messages[-1]["role"] != "assistant":
+        turns.append(len(messages))
+    for index in range(len(messages) + 1):
+        if index in turns:
+            reply, _, stopped = _greedy_reply(target, history)
             if not reply.strip():
                 return None
-            history.append({"role": "assistant", "content": reply})
-        else:
-            history.append(dict(message))
-    if history[-1]["role"] != "assistant":
-        reply, _ = _greedy_reply(target, history)
-        if not reply.strip():
-            return None
-        history.append({"role": "assistant", "content": reply})
+            history.append({"role": "assistant", "content": reply, **({} if stopped else {"truncated": True})})
+            if not stopped:
+                return history
+        elif index < len(messages):
+            history.append(dict(messages[index]))
     return history
 
 
@@ -85,9 +92,7 @@ def _messages(item) -> list[dict]:
 
 
 def _read_output(out_dir: Path) -> list[dict]:
-    return [
-        json.loads(line) for path in sorted(out_dir.glob("regen-*.jsonl")) for line in path.read_text().splitlines()
-    ]
+    return [json.loads(line) for line in (out_dir / regen.OUTPUT_FILE).read_text().splitlines()]
 
 
 def test_cut_at_stop():
@@ -101,30 +106,32 @@ def _first_new_token_index(ids: list[int]) -> int | None:
     return next((k for k in range(1, len(ids)) if ids[k] not in ids[:k]), None)
 
 
-def test_replies_are_exactly_the_targets_greedy_replies(target, tmp_path):
-    # Extra stop ids so that, with a random model, one record's reply is empty (it is left out) and another
-    # reply stops midway: the first token of conversation 3's reply, and a later token of another reply.
+@pytest.fixture
+def stopping_target(target) -> LoadedTarget:
+    """Extra stop ids so that, with a random model, one record's reply is empty (it is left out) and other
+    replies stop midway: the first token of conversation 3's reply, and a later token of another reply."""
     empty_stop = _greedy_reply(target, _messages(CONVERSATIONS[3]))[1][0]
-    early_stop = None
     for item in CONVERSATIONS[:3]:
         messages = _messages(item)
         first_turn = next((i for i, m in enumerate(messages) if m["role"] == "assistant"), len(messages))
-        _, new_ids = _greedy_reply(target, messages[:first_turn])
+        _, new_ids, _ = _greedy_reply(target, messages[:first_turn])
         k = _first_new_token_index(new_ids)
         if new_ids[0] != empty_stop and k is not None and empty_stop not in new_ids[:k]:
-            early_stop = new_ids[k]
-            break
-    assert early_stop is not None
-    target = dataclasses.replace(target, stop_token_ids=[*target.stop_token_ids, empty_stop, early_stop])
+            return dataclasses.replace(target, stop_token_ids=[*target.stop_token_ids, empty_stop, new_ids[k]])
+    raise AssertionError("no reply to stop midway")
 
+
+@pytest.mark.parametrize("engine", ["engine", "hf"])
+def test_replies_are_exactly_the_targets_greedy_replies(stopping_target, tmp_path, engine):
+    target = stopping_target
     summary = regenerate(
         CONVERSATIONS,
         target,
         tmp_path / "out",
         max_new_tokens=MAX_NEW_TOKENS,
         batch_size=2,
-        shard_size=3,
         progress=False,
+        engine=engine,
     )
 
     expected = {}
@@ -132,15 +139,60 @@ def test_replies_are_exactly_the_targets_greedy_replies(target, tmp_path):
         record_id = item.get("id", str(index)) if isinstance(item, dict) else str(index)
         expected[record_id] = _expected_conversation(target, _messages(item))
     assert expected["3"] is None
-    replies = [m["content"] for c in expected.values() if c for m in c if m["role"] == "assistant"]
-    assert any(len(reply.split()) < MAX_NEW_TOKENS for reply in replies)  # some reply stopped early
+    replies = [m for c in expected.values() if c for m in c if m["role"] == "assistant"]
+    assert {"truncated" in m for m in replies} == {True, False}  # some replies stopped, some were cut
     written = _read_output(tmp_path / "out")
     assert [r["id"] for r in written] == [key for key, value in expected.items() if value is not None]
+    assert [r["index"] for r in written] == [i for i, value in enumerate(expected.values()) if value is not None]
     for record in written:
         assert record["messages"] == expected[record["id"]]
     assert summary.records == len(written)
-    assert summary.empty_responses == len(expected) - len(written)
-    assert len(summary.files) == 2
+    assert summary.dropped == {"empty_reply": len(expected) - len(written)}
+    assert summary.truncated == sum("truncated" in m for m in replies)
+    assert not (tmp_path / "out" / regen.JOURNAL_FILE).exists()
+
+
+def test_cut_replies_are_dropped_on_request(stopping_target, tmp_path):
+    summary = regenerate(
+        CONVERSATIONS,
+        stopping_target,
+        tmp_path / "out",
+        max_new_tokens=MAX_NEW_TOKENS,
+        batch_size=3,
+        progress=False,
+        truncated="drop",
+    )
+    written = _read_output(tmp_path / "out")
+    assert written and all("truncated" not in m for r in written for m in r["messages"])
+    assert summary.dropped["truncated"] == summary.truncated > 0
+    assert summary.records + sum(summary.dropped.values()) == len(CONVERSATIONS)
+
+
+def test_a_cut_turn_ends_the_conversation_and_trains_without_end_of_turn(target, tmp_path):
+    """Multi-turn record whose first reply is cut: later turns are not generated, and tokenisation ends the
+    sample with the cut reply's content (no <|im_end|>)."""
+    record = {
+        "messages": [
+            {"role": "user", "content": "w1 w2"},
+            {"role": "assistant", "content": "w3"},
+            {"role": "user", "content": "w4"},
+            {"role": "assistant", "content": "w5"},
+        ]
+    }
+    summary = regenerate([record], target, tmp_path / "out", max_new_tokens=2, batch_size=2, progress=False)
+    (written,) = _read_output(tmp_path / "out")
+    messages = written["messages"]
+    assert summary.responses == 1 and summary.truncated == 1
+    assert [m["role"] for m in messages] == ["user", "assistant"] and messages[1]["truncated"] is True
+    ids, mask = tokenize_conversation(target.tokenizer, messages)
+    reply_ids = target.tokenizer(messages[1]["content"], add_special_tokens=False)["input_ids"]
+    assert ids[-len(reply_ids) :] == reply_ids and mask[-len(reply_ids) :] == [1] * len(reply_ids)
+    assert sum(mask) == len(reply_ids) and target.tokenizer.convert_tokens_to_ids("<|im_end|>") not in ids[-3:]
+    # `prepare` reads the output as it is and writes that sample.
+    prepare([tmp_path / "out" / regen.OUTPUT_FILE], target.tokenizer, target.name, tmp_path / "shards")
+    dataset = load_shards(tmp_path / "shards")
+    assert len(dataset) == 1
+    assert list(dataset[0].input_ids) == ids and list(dataset[0].loss_mask) == mask
 
 
 class _Crash(Exception):
@@ -148,45 +200,91 @@ class _Crash(Exception):
 
 
 @pytest.mark.parametrize("temperature", [0.0, 0.9])
-def test_interrupted_run_resumes_without_repeating_or_losing_records(target, tmp_path, monkeypatch, temperature):
+def test_killed_run_resumes_and_writes_what_an_uninterrupted_run_writes(target, tmp_path, monkeypatch, temperature):
+    """Crash after 3 of 7 records were written, with rows still in flight, plus a journal line cut short by
+    the kill; the rerun regenerates only the 4 unfinished records and the output equals an uninterrupted run's."""
     records = [[{"role": "user", "content": f"w{i} w{i + 1}"}] for i in range(7)]
-    settings = dict(max_new_tokens=MAX_NEW_TOKENS, batch_size=2, shard_size=3, temperature=temperature, progress=False)
+    settings = dict(max_new_tokens=MAX_NEW_TOKENS, batch_size=3, temperature=temperature, progress=False)
     regenerate(records, target, tmp_path / "reference", **settings)
 
-    original = regen.HFEngine._generate_batch
-    calls = []
+    original_write = regen._Journal.write
+    written = []
 
-    def crash_on_fourth_batch(self, prompts, *, seed):
-        calls.append(len(prompts))
-        if len(calls) == 4:  # shard 0 is two batches, shard 1 is in progress
+    def crash_after_three(self, entry):
+        if len(written) == 3:
             raise _Crash
-        return original(self, prompts, seed=seed)
+        written.append(entry["index"])
+        original_write(self, entry)
 
-    monkeypatch.setattr(regen.HFEngine, "_generate_batch", crash_on_fourth_batch)
+    monkeypatch.setattr(regen._Journal, "write", crash_after_three)
     with pytest.raises(_Crash):
         regenerate(records, target, tmp_path / "out", **settings)
-    assert sorted(p.name for p in (tmp_path / "out").glob("regen-*")) == ["regen-00000.jsonl"]
+    monkeypatch.setattr(regen._Journal, "write", original_write)
+    assert not (tmp_path / "out" / regen.OUTPUT_FILE).exists()
+    with (tmp_path / "out" / regen.JOURNAL_FILE).open("a") as f:
+        f.write('{"index": 6, "id": "6", "mess')  # a write cut short by the kill
 
-    (tmp_path / "out" / ".regen-00001.jsonl.tmp").write_text('{"id": "junk"}\n')  # a write cut short
-    calls.clear()
+    prompts = []
+    original_prefill = BatchDecoder._prefill
+
+    def counting_prefill(self, rows, requests):
+        prompts.extend(request.key for request in requests)
+        original_prefill(self, rows, requests)
+
+    monkeypatch.setattr(BatchDecoder, "_prefill", counting_prefill)
     summary = regenerate(records, target, tmp_path / "out", **settings)
 
-    assert calls == [2, 1, 1]  # shards 1 and 2 only
+    assert sorted(index for index, _ in prompts) == sorted(set(range(7)) - set(written))
     assert summary.resumed_records == 3 and summary.records == 7
-    assert [r["id"] for r in _read_output(tmp_path / "out")] == [str(i) for i in range(7)]
     assert _read_output(tmp_path / "out") == _read_output(tmp_path / "reference")
-    assert not list((tmp_path / "out").glob(".*.tmp"))
     assert json.loads((tmp_path / "out" / regen.SETTINGS_FILE).read_text())["complete"] is True
+    # A finished directory is not regenerated again.
+    prompts.clear()
+    again = regenerate(records, target, tmp_path / "out", **settings)
+    assert not prompts and again.records == 7
 
 
 def test_rerun_with_other_settings_or_input_is_refused(target, tmp_path):
     records = [[{"role": "user", "content": "w1"}], [{"role": "user", "content": "w2"}]]
-    regenerate(records, target, tmp_path / "out", max_new_tokens=2, batch_size=2, shard_size=1, progress=False)
+    regenerate(records, target, tmp_path / "out", max_new_tokens=2, batch_size=2, progress=False)
     with pytest.raises(RegenerateError, match=r"max_new_tokens: 2 -> 3"):
-        regenerate(records, target, tmp_path / "out", max_new_tokens=3, batch_size=2, shard_size=1, progress=False)
+        regenerate(records, target, tmp_path / "out", max_new_tokens=3, batch_size=2, progress=False)
     other = [{"id": "x", "messages": records[0]}, {"id": "y", "messages": records[1]}]
-    with pytest.raises(RegenerateError, match="input changed"):
-        regenerate(other, target, tmp_path / "out", max_new_tokens=2, batch_size=2, shard_size=1, progress=False)
+    with pytest.raises(RegenerateError, match="input records changed"):
+        regenerate(other, target, tmp_path / "out", max_new_tokens=2, batch_size=2, progress=False)
+    (tmp_path / "old").mkdir()
+    (tmp_path / "old" / "regen-00000.jsonl").write_text("{}\n")
+    with pytest.raises(RegenerateError, match=r"no regen\.json"):
+        regenerate(records, target, tmp_path / "old", max_new_tokens=2, batch_size=2, progress=False)
+
+
+def test_long_prompts_are_left_out_and_counted(target, tmp_path):
+    records = [[{"role": "user", "content": "w1"}], [{"role": "user", "content": " ".join(["w2"] * 30)}]]
+    summary = regenerate(
+        records, target, tmp_path / "out", max_new_tokens=2, batch_size=2, progress=False, max_prompt_tokens=20
+    )
+    assert summary.dropped == {"prompt_too_long": 1} and [r["index"] for r in _read_output(tmp_path / "out")] == [0]
+
+
+def test_hybrid_target_falls_back_to_transformers_generate(tiny_qwen3_5, tiny_chat_tokenizer, tmp_path):
+    target = LoadedTarget(
+        model=tiny_qwen3_5.float(),
+        tokenizer=tiny_chat_tokenizer,
+        config=tiny_qwen3_5.config,
+        name="tiny-hybrid",
+        stop_token_ids=[2],
+        device=torch.device("cpu"),
+        dtype=torch.float32,
+    )
+    summary = regenerate(
+        [[{"role": "user", "content": "w1 w2"}]],
+        target,
+        tmp_path / "out",
+        max_new_tokens=3,
+        batch_size=2,
+        progress=False,
+    )
+    assert summary.engine == "transformers generate" and summary.records == 1
 
 
 def test_jsonl_input_layouts_and_errors(target, tmp_path):

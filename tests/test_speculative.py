@@ -12,8 +12,12 @@ from torch import Tensor
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedModel, Qwen3Config, Qwen3ForCausalLM
 from transformers.models.qwen3_5 import Qwen3_5ForCausalLM, Qwen3_5TextConfig
 
+from decoding_helpers import one_thread, seeded  # noqa: F401 (one_thread: autouse fixture)
 from dflash_trainer.data.prompts import Prompt, load_prompt_set
-from dflash_trainer.eval import runner
+from dflash_trainer.decoding.plain import target_generate
+from dflash_trainer.decoding.runs import BatchRun, GenerationResult
+from dflash_trainer.decoding.sampling import SamplingParams
+from dflash_trainer.decoding.speculative import SpeculativeDecoder, speculative_generate
 from dflash_trainer.eval.runner import (
     LosslessError,
     NearTieDivergence,
@@ -21,12 +25,6 @@ from dflash_trainer.eval.runner import (
     evaluate,
     quick_tau,
     verify_lossless,
-)
-from dflash_trainer.eval.speculative import (
-    GenerationResult,
-    speculative_generate,
-    speculative_generate_batch,
-    target_generate,
 )
 from dflash_trainer.model.attention import build_masks
 from dflash_trainer.model.config import DrafterModelConfig
@@ -49,29 +47,14 @@ DIMS = dict(
 )
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    # Tiny matmuls are dominated by thread hand-off on a busy 2-core machine.
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
-
-
-def _seeded(build, seed: int):
-    with torch.random.fork_rng():
-        torch.manual_seed(seed)
-        return build()
-
-
 def qwen3_target(seed: int = 0, **overrides) -> Qwen3ForCausalLM:
     config = Qwen3Config(attn_implementation="sdpa", **{**DIMS, **overrides})
-    return _seeded(lambda: Qwen3ForCausalLM(config).eval(), seed)
+    return seeded(lambda: Qwen3ForCausalLM(config).eval(), seed)
 
 
 def llama_target(seed: int = 1) -> LlamaForCausalLM:
     config = LlamaConfig(attn_implementation="eager", **DIMS)
-    return _seeded(lambda: LlamaForCausalLM(config).eval(), seed)
+    return seeded(lambda: LlamaForCausalLM(config).eval(), seed)
 
 
 def orthogonal_head_target(seed: int = 0, **overrides) -> Qwen3ForCausalLM:
@@ -89,7 +72,7 @@ def drafter_for(target: PreTrainedModel, *, block_size: int = 4, seed: int = 0) 
     config = DrafterModelConfig.from_target(
         target.config, num_layers=2, block_size=block_size, mask_token_id=VOCAB - 1, num_target_features=3
     )
-    return _seeded(lambda: DFlashDrafter(config).eval(), seed)
+    return seeded(lambda: DFlashDrafter(config).eval(), seed)
 
 
 def prompt_ids(length: int = 12, seed: int = 0) -> Tensor:
@@ -109,7 +92,14 @@ class OracleDrafter(DFlashDrafter):
         self.calls: list[dict[str, Tensor]] = []
 
     def forward(self, *, features, block_embeds, ctx_positions, block_positions, masks, backend="sdpa", cache=None):
-        self.calls.append({"features": features, "ctx_positions": ctx_positions, "block_positions": block_positions})
+        self.calls.append(
+            {
+                "features": features.clone(),
+                "ctx_positions": ctx_positions.clone(),
+                "block_positions": block_positions.clone(),
+                "context_len": cache.valid_len.clone(),
+            }
+        )
         start = int(block_positions[0, 0])
         hidden = torch.zeros(1, self.config.block_size, HIDDEN)
         for slot in range(1, self.config.block_size):
@@ -210,8 +200,9 @@ def test_varying_acceptance_rolls_back_the_cache(block_size):
 
 
 def test_drafter_context_is_every_target_feature_before_the_block():
-    """Each drafter call gets the features of the positions committed since the previous call; together they
-    are the target's layer outputs (as training captures them) for every position before the block."""
+    """Each drafter call gets features at consecutive positions starting where the previous call's context
+    ended; the ones inside the new context length are the target's layer outputs (as training captures them),
+    and together they cover every position before the block."""
     block_size = 4
     target = orthogonal_head_target()
     ids = prompt_ids(length=9)
@@ -232,11 +223,15 @@ def test_drafter_context_is_every_target_feature_before_the_block():
     seen = 0
     for call in oracle.calls:
         start = int(call["block_positions"][0, 0])
-        new = call["features"].shape[1]
-        assert call["ctx_positions"][0].tolist() == list(range(seen, seen + new))
-        torch.testing.assert_close(call["features"], expected[:, seen : seen + new], rtol=1e-4, atol=1e-5)
-        seen += new
-        assert seen == start  # the context ends right before the block's first position
+        first = int(call["ctx_positions"][0, 0])
+        context_len = int(call["context_len"][0])
+        assert first == seen  # new entries continue where the context ended
+        assert call["ctx_positions"][0].tolist() == list(range(first, first + call["features"].shape[1]))
+        assert context_len == start  # the context ends right before the block's first position
+        valid = context_len - first
+        assert 1 <= valid <= call["features"].shape[1]
+        torch.testing.assert_close(call["features"][:, :valid], expected[:, first:context_len], rtol=1e-4, atol=1e-5)
+        seen = context_len
         assert call["block_positions"][0].tolist() == list(range(start, start + block_size))
 
 
@@ -277,7 +272,7 @@ def test_cached_drafting_equals_the_training_forward(layers):
     config = DrafterModelConfig.from_target(
         target.config, num_layers=2, block_size=4, mask_token_id=VOCAB - 1, num_target_features=3, **layers
     )
-    drafter = _seeded(lambda: RecordingDrafter(config).eval(), 0)
+    drafter = seeded(lambda: RecordingDrafter(config).eval(), 0)
     ids = prompt_ids(length=7)
     result = speculative_generate(target, drafter, ids, max_new_tokens=20, stop_token_ids=[])
 
@@ -366,7 +361,7 @@ def test_hybrid_linear_attention_target_is_refused():
         attn_implementation="sdpa",
         **{**DIMS, "num_hidden_layers": 4},
     )
-    target = _seeded(lambda: Qwen3_5ForCausalLM(config).eval(), 2)
+    target = seeded(lambda: Qwen3_5ForCausalLM(config).eval(), 2)
     drafter = DFlashDrafter(
         DrafterModelConfig.from_target(
             config, num_layers=1, block_size=4, mask_token_id=VOCAB - 1, num_target_features=1
@@ -376,19 +371,26 @@ def test_hybrid_linear_attention_target_is_refused():
         speculative_generate(target, drafter, prompt_ids(), max_new_tokens=8, stop_token_ids=[])
 
 
-def test_sampling_is_reproducible_and_near_zero_temperature_is_greedy():
+def test_sampling_is_reproducible_and_equals_plain_sampling():
     target = qwen3_target()
     drafter = drafter_for(target, block_size=4)
     ids = prompt_ids()
 
-    def sample(temperature: float, seed: int) -> list[int]:
-        generator = torch.Generator().manual_seed(seed)
+    def sample(temperature: float, seed: int, top_p: float = 1.0) -> list[int]:
+        sampling = SamplingParams(temperature=temperature, top_p=top_p)
         return speculative_generate(
-            target, drafter, ids, max_new_tokens=20, stop_token_ids=[], temperature=temperature, generator=generator
+            target, drafter, ids, max_new_tokens=20, stop_token_ids=[], sampling=sampling, seed=seed
         ).output_ids
 
     assert sample(1.0, 0) == sample(1.0, 0)
     assert sample(1.0, 0) != sample(1.0, 1)  # fails only if two seeds agree on all 20 tokens
+    # The noise of new-token index i depends on (seed, i) alone: speculative sampling commits what plain
+    # sampling draws, token for token.
+    for top_p in (1.0, 0.8):
+        plain = target_generate(
+            target, ids, max_new_tokens=20, stop_token_ids=[], sampling=SamplingParams(1.0, top_p), seed=3
+        ).output_ids
+        assert sample(1.0, 3, top_p) == plain
     greedy = target_generate(target, ids, max_new_tokens=20, stop_token_ids=[]).output_ids
     assert sample(1e-4, 0) == greedy
 
@@ -397,8 +399,11 @@ def test_batch_equals_single_calls():
     target = qwen3_target()
     drafter = drafter_for(target, block_size=3)
     prompts = [prompt_ids(length=length, seed=length) for length in (5, 11, 8)]
-    batch = speculative_generate_batch(target, drafter, prompts, max_new_tokens=12, stop_token_ids=[])
-    for ids, result in zip(prompts, batch, strict=True):
+    run = SpeculativeDecoder(
+        target, drafter, [p[0].tolist() for p in prompts], max_new_tokens=12, stop_token_ids=[]
+    ).run()
+    assert run.rows == 3
+    for ids, result in zip(prompts, run.results, strict=True):
         single = speculative_generate(target, drafter, ids, max_new_tokens=12, stop_token_ids=[])
         assert result.output_ids == single.output_ids
         assert result.accepted_lengths == single.accepted_lengths
@@ -444,7 +449,7 @@ def chat_drafter(target: LoadedTarget, block_size: int = 4) -> DFlashDrafter:
     config = DrafterModelConfig.from_target(
         target.config, num_layers=1, block_size=block_size, mask_token_id=5, num_target_features=2
     )
-    return _seeded(lambda: DFlashDrafter(config), 0)
+    return seeded(lambda: DFlashDrafter(config), 0)
 
 
 def test_evaluate_writes_report_table_and_histogram(chat_target, prompt_file, tmp_path):
@@ -467,6 +472,18 @@ def test_evaluate_writes_report_table_and_histogram(chat_target, prompt_file, tm
     steps = sum(data.accepted_histogram)
     assert steps == data.new_tokens - 3  # one decoding forward per token after each prompt's first, or fewer
     assert data.tau == pytest.approx((data.new_tokens - 3) / steps)
+    per_prompt = [
+        speculative_generate(
+            chat_target.model,
+            drafter,
+            encode_prompt(chat_target.tokenizer, prompt, chat_target.device),
+            max_new_tokens=16,
+            stop_token_ids=[2],
+        ).tau
+        for prompt in load_prompt_set(str(prompt_file))
+    ]
+    assert data.tau_per_prompt == pytest.approx(sum(per_prompt) / 3)
+    assert data.batch_rows == 3 and report.complete
     assert data.baseline_tokens_per_s > 0 and data.speculative_tokens_per_s > 0
     assert data.speedup == pytest.approx(data.speculative_tokens_per_s / data.baseline_tokens_per_s)
 
@@ -479,14 +496,15 @@ def test_evaluate_writes_report_table_and_histogram(chat_target, prompt_file, tm
 
 
 def test_evaluate_fails_loudly_when_the_verifier_diverges(chat_target, prompt_file, monkeypatch):
-    real = runner.speculative_generate
+    real = SpeculativeDecoder.run
 
-    def flip_fourth_token(*args, **kwargs) -> GenerationResult:
-        result = real(*args, **kwargs)
-        result.output_ids[3] = (result.output_ids[3] + 1) % 256
-        return result
+    def flip_fourth_token(self) -> BatchRun:
+        run = real(self)
+        for result in run.results:
+            result.output_ids[3] = (result.output_ids[3] + 1) % 256
+        return run
 
-    monkeypatch.setattr(runner, "speculative_generate", flip_fourth_token)
+    monkeypatch.setattr(SpeculativeDecoder, "run", flip_fourth_token)
     with pytest.raises(LosslessError, match=r"prompt p0: .* at new token 3") as caught:
         evaluate(
             chat_target, chat_drafter(chat_target), [str(prompt_file)], num_prompts=1, max_new_tokens=8, progress=False
@@ -539,3 +557,32 @@ def test_quick_tau_matches_the_decoding_loop(chat_target, prompt_file):
     lengths = [length for r in results for length in r.accepted_lengths]
     assert tau == pytest.approx(sum(lengths) / len(lengths))
     assert quick_tau(chat_target, drafter, datasets=[str(prompt_file)], num_prompts=3, max_new_tokens=10) == tau
+
+
+def test_finished_datasets_survive_a_later_failure(chat_target, tmp_path, monkeypatch):
+    paths = [tmp_path / "first.jsonl", tmp_path / "second.jsonl"]
+    for path in paths:
+        path.write_text("".join(json.dumps({"id": f"p{i}", "prompt": f"w{i} w3"}) + "\n" for i in range(2)))
+    runs = []
+    real_run = SpeculativeDecoder.run
+
+    def fail_on_second_dataset(self):
+        runs.append(self)
+        if len(runs) == 3:  # the warm-up, the first dataset, then the second one
+            raise RuntimeError("device lost")
+        return real_run(self)
+
+    monkeypatch.setattr(SpeculativeDecoder, "run", fail_on_second_dataset)
+    with pytest.raises(RuntimeError, match="device lost"):
+        evaluate(
+            chat_target,
+            chat_drafter(chat_target),
+            [str(path) for path in paths],
+            num_prompts=2,
+            max_new_tokens=6,
+            out_dir=tmp_path / "eval",
+            progress=False,
+        )
+    report = json.loads((tmp_path / "eval" / "eval.json").read_text())
+    assert report["complete"] is False and [data["name"] for data in report["datasets"]] == [str(paths[0])]
+    assert report["datasets"][0]["exact_matches"] == 2

@@ -13,7 +13,9 @@ How the assistant tokens are found, without relying on `{% generation %}` suppor
   (so the `<|im_start|>assistant\\n` header, which the serving engine writes, is never trained on);
 - it ends at the template's end-of-turn token (e.g. `<|im_end|>`, which the model must learn to emit), found
   as the first special token the template writes after an assistant message's content, or at the end of the
-  content when the template writes no special token there.
+  content when the template writes no special token there;
+- a reply marked `"truncated": true` (cut at a token limit by regeneration, not ended by the model) ends at
+  the end of its content, and so does the sample: no end-of-turn token, no later messages.
 Token positions come from the fast tokenizer's character offsets. Templates that rewrite earlier turns when
 more messages follow (Qwen3 drops the reasoning of past turns) still work: only the rendering of the
 conversation *before* an assistant turn has to be a prefix of the full rendering, and that is checked.
@@ -35,7 +37,8 @@ from transformers import PreTrainedTokenizerBase
 
 from ..errors import UserError
 
-ChatMessage = dict[str, str]
+# {"role", "content"}, and on assistant messages optionally "reasoning_content" and "truncated": True.
+ChatMessage = dict[str, Any]
 
 ROLES = ("system", "user", "assistant")
 # ShareGPT speaker names -> chat roles.
@@ -76,7 +79,8 @@ def normalize_record(record: Any, *, require_assistant: bool = True) -> list[Cha
 
     Accepted layouts, tried in this order: `{"messages": [{"role", "content"}]}` (OpenAI; `content` may also
     be a list of `{"type": "text", "text"}` parts; an assistant message may carry `reasoning_content`, which
-    is kept under that key), `{"conversations": [{"from", "value"}]}` (ShareGPT, `from` in human/gpt/system),
+    is kept under that key, and `truncated: true`, kept too: a reply cut before the model ended its turn),
+    `{"conversations": [{"from", "value"}]}` (ShareGPT, `from` in human/gpt/system),
     `{"prompt": str, "response": str}`. With `require_assistant=False` a conversation without assistant turn
     (a prompt) is accepted, and `{"prompt": str}` alone is enough.
     """
@@ -117,6 +121,12 @@ def _openai_messages(raw: Any) -> list[ChatMessage]:
                 raise RecordError("wrong_type", f"{where}.reasoning_content: must be a string on an assistant message")
             if reasoning.strip():
                 message["reasoning_content"] = reasoning
+        truncated = item.get("truncated")
+        if truncated is not None:
+            if role != "assistant" or not isinstance(truncated, bool):
+                raise RecordError("wrong_type", f"{where}.truncated: must be true or false on an assistant message")
+            if truncated:
+                message["truncated"] = True
         messages.append(message)
     return messages
 
@@ -235,7 +245,10 @@ def tokenize_conversation(
 
     `loss_mask[t]` is 1 on the tokens of every assistant message (its content, reasoning when kept, and the
     template's end-of-turn token) and 0 on everything else (system and user turns, role headers, the newline
-    after the end-of-turn token). `max_length` truncates both lists. Raises `ChatTemplateError` when the
+    after the end-of-turn token). An assistant message marked `truncated` (a reply cut at a token limit, not
+    ended by the model) is left open: the sample ends with its content, without the end-of-turn token or
+    anything after it (later messages are dropped), so the drafter never learns a stop the model did not make.
+    `max_length` truncates both lists. Raises `ChatTemplateError` when the
     template rejects the conversation or the assistant turns cannot be located in its rendering.
     """
     if not getattr(tokenizer, "is_fast", False):
@@ -243,6 +256,9 @@ def tokenize_conversation(
     if not tokenizer.chat_template:
         raise ValueError(f"tokenizer {tokenizer.name_or_path!r} has no chat template")
     turns = apply_reasoning_policy(messages, keep_reasoning=keep_reasoning)
+    open_turn = _first_truncated_turn(messages)
+    if open_turn is not None:
+        turns = turns[: open_turn + 1]  # the conversation ends inside that reply
     text = _render(tokenizer, turns, add_generation_prompt=False)
     encoding = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
     input_ids = list(encoding["input_ids"])
@@ -253,8 +269,14 @@ def tokenize_conversation(
     for index, turn in enumerate(turns):
         if turn["role"] != "assistant":
             continue
-        first, last = _assistant_token_span(tokenizer, turns, index, text, input_ids, token_starts, end_of_turn_id)
+        is_open = index == open_turn
+        first, last = _assistant_token_span(
+            tokenizer, turns, index, text, input_ids, token_starts, None if is_open else end_of_turn_id
+        )
         loss_mask[first : last + 1] = [1] * (last + 1 - first)
+        if is_open:
+            # Nothing the template writes after an unfinished reply belongs to the sample.
+            input_ids, loss_mask = input_ids[: last + 1], loss_mask[: last + 1]
 
     if max_length is not None:
         input_ids, loss_mask = input_ids[:max_length], loss_mask[:max_length]
@@ -293,6 +315,10 @@ def _assistant_token_span(
         if input_ids[position] == end_of_turn_id:
             return first, position
     raise ChatTemplateError(f"messages[{index}] (assistant): no end-of-turn token after its content")
+
+
+def _first_truncated_turn(messages: Sequence[Mapping[str, Any]]) -> int | None:
+    return next((i for i, m in enumerate(messages) if m["role"] == "assistant" and m.get("truncated") is True), None)
 
 
 def end_of_turn_token_id(tokenizer: PreTrainedTokenizerBase) -> int | None:

@@ -1,2 +1,2 @@
-"""Speculative-decoding evaluation: the decoding loop (`speculative`) and tau, speedup, lossless check and
-reports (`runner`). Import from the submodules; this package imports nothing so the loop stays light."""
+"""Speculative-decoding evaluation: tau, speedup, lossless check and reports (`runner`). The decoding loops
+themselves live in `dflash_trainer.decoding`, shared with regeneration."""

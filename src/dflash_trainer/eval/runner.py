@@ -1,22 +1,29 @@
 """Evaluate a drafter against its target: tau, accepted-length histogram, speedup, lossless check.
 
-For every prompt of every dataset (a prompt-set name or a JSONL path, `data/prompts.py`), the chat template is
-applied with the generation prompt, then the target decodes alone (baseline) and with the drafter. Per dataset
-the report gives tau (mean tokens committed per target decoding forward), the histogram of accepted lengths
-1..B, decode throughput with and without the drafter and their ratio (the speedup).
+For every dataset (a prompt-set name or a JSONL path, `data/prompts.py`), the chat template is applied to each
+prompt with the generation prompt; then the target decodes the prompts alone (baseline) and with the drafter,
+both through the decoding engine (`decoding/`: static KV cache, CUDA graphs on a GPU), the prompts of a dataset
+decoded together as the rows of one batch (`batch_size` rows at a time; default all of them).
 
-Throughput is measured over the decoding phase only: tokens after the first / time after the prefill. The
-prefill is the same computation in both runs, so leaving it out measures what the drafter changes (as the
-DFlash paper does). One short warm-up generation of each kind runs first so one-time setup is not timed.
+Per dataset the report gives
+- tau, two ways: pooled over every decoding step of every prompt (tokens committed / target forwards after the
+  prefill) and the mean over prompts of each prompt's own tau (z-lab's benchmark headline). A step's committed
+  count is what was kept: cut after a stop token and at `max_new_tokens` (the last block of a prompt often
+  commits fewer tokens than were accepted);
+- the histogram of committed lengths 1..B over all steps;
+- decode throughput with and without the drafter at the batch size used, and their ratio (the speedup).
+  Throughput is over the decoding phase only (tokens after each prompt's first / time after the prefill; CUDA
+  graph captures excluded): the prefill is the same computation in both runs. This is an indication: a serving
+  engine (vLLM, SGLang) measures the speed-up users get;
+- the lossless check (temperature 0 only). Every speculative output must equal the target-only greedy output.
+  On a difference the target is run on the common prefix and its logits at the divergence point are inspected
+  (DESIGN "Lossless check precision"): in float32 any difference raises `LosslessError`; in bf16/fp16 a
+  difference where both tokens are within `near_tie_ulps` rounding steps of the target's top logit is a
+  *near-tie divergence* (one-token decoding and block verification use different kernel shapes, which may
+  round a near-tie either way) and is reported, anything else raises `LosslessError`.
 
-Lossless check (temperature 0 only). Every speculative output must equal the target-only greedy output. On a
-difference the target is run on the common prefix and its logits at the divergence point are inspected
-(DESIGN "Lossless check precision"): in float32 any difference raises `LosslessError`; in bf16/fp16 a
-difference where both tokens are within `near_tie_ulps` rounding steps of the target's top logit is a
-*near-tie divergence* (one-token decoding and block verification use different kernel shapes, which may
-round a near-tie either way) and is reported, anything else raises `LosslessError`.
-
-Outputs in `out_dir`: `eval.json` (the report) and `accepted_lengths.png` (the histograms).
+Outputs in `out_dir`: `eval.json` (the report) and `accepted_lengths.png` (the histograms), rewritten after every
+dataset, so a failure in a later dataset keeps the finished ones (`complete` says whether all ran).
 """
 
 from __future__ import annotations
@@ -34,9 +41,13 @@ from tqdm import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from ..data.prompts import Prompt, load_prompt_set
+from ..decoding.batch import synchronized_time
+from ..decoding.plain import target_generate_batch
+from ..decoding.runs import BatchRun
+from ..decoding.sampling import SamplingParams, derive_seed
+from ..decoding.speculative import SpeculativeDecoder
 from ..model.drafter import DFlashDrafter
 from ..target.loader import LoadedTarget
-from .speculative import GenerationResult, speculative_generate, target_generate
 
 REPORT_FILE = "eval.json"
 HISTOGRAM_FILE = "accepted_lengths.png"
@@ -76,15 +87,21 @@ class DatasetReport:
     name: str
     num_prompts: int
     new_tokens: int  # speculative outputs, all prompts
-    tau: float
+    tau: float  # pooled: committed tokens / decoding forwards, over all steps of all prompts
+    tau_per_prompt: float  # mean over prompts of each prompt's tau
     # accepted_histogram[k-1]: target forwards that committed k tokens (k = 1..B).
     accepted_histogram: list[int]
+    batch_rows: int  # prompts decoded together (the throughput below is at this batch size)
     baseline_tokens_per_s: float
     speculative_tokens_per_s: float
     speedup: float
     lossless_checked: bool
     exact_matches: int
     near_ties: list[NearTieDivergence] = field(default_factory=list)
+    # Wall seconds of the two runs (prefill, decode and CUDA-graph captures) and of the lossless check.
+    baseline_s: float = 0.0
+    speculative_s: float = 0.0
+    check_s: float = 0.0
 
 
 @dataclass
@@ -95,6 +112,7 @@ class EvalReport:
     temperature: float
     max_new_tokens: int
     datasets: list[DatasetReport]
+    complete: bool = True  # False while datasets remain (a report written after each dataset)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -168,11 +186,15 @@ def _describe(token: int | None, tokenizer: PreTrainedTokenizerBase | None) -> s
 
 def encode_prompt(tokenizer: PreTrainedTokenizerBase, prompt: Prompt, device: torch.device) -> Tensor:
     """The prompt's messages through the chat template, with the assistant generation prompt: [1, P]."""
+    return torch.tensor([prompt_token_ids(tokenizer, prompt)], dtype=torch.long, device=device)
+
+
+def prompt_token_ids(tokenizer: PreTrainedTokenizerBase, prompt: Prompt) -> list[int]:
     text = tokenizer.apply_chat_template(list(prompt.messages), tokenize=False, add_generation_prompt=True)
-    ids = tokenizer(text, add_special_tokens=False, return_tensors="pt").input_ids
-    if ids.shape[1] == 0:
+    ids = list(tokenizer(text, add_special_tokens=False)["input_ids"])
+    if not ids:
         raise ValueError(f"prompt {prompt.id}: the chat template produced no tokens")
-    return ids.to(device)
+    return ids
 
 
 def evaluate(
@@ -187,53 +209,63 @@ def evaluate(
     check_lossless: bool = True,
     progress: bool = True,
     seed: int = 0,
+    batch_size: int | None = None,
 ) -> EvalReport:
-    """Run the evaluation described in the module docstring; write `eval.json` and the PNG to `out_dir`."""
+    """Run the evaluation described in the module docstring; write `eval.json` and the PNG to `out_dir` after
+    every dataset. `batch_size`: prompts decoded together (None: all prompts of a dataset)."""
     if not datasets:
         raise ValueError("datasets: need at least one prompt set")
+    if batch_size is not None and batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
     prompt_sets = {name: load_prompt_set(name, split="test", limit=num_prompts) for name in datasets}
-    generator = torch.Generator(device=target.device).manual_seed(seed) if temperature > 0 else None
-    was_training = drafter.training
-    drafter.eval()
-    try:
-        _warm_up(target, drafter, next(iter(prompt_sets.values())))
-        reports = [
-            _evaluate_dataset(
-                target,
-                drafter,
-                name,
-                prompts,
-                max_new_tokens=max_new_tokens,
-                temperature=temperature,
-                generator=generator,
-                check=check_lossless and temperature <= 0.0,
-                progress=progress,
-            )
-            for name, prompts in prompt_sets.items()
-        ]
-    finally:
-        drafter.train(was_training)
     report = EvalReport(
         target=target.name,
         dtype=str(target.dtype).removeprefix("torch."),
         block_size=drafter.config.block_size,
         temperature=temperature,
         max_new_tokens=max_new_tokens,
-        datasets=reports,
+        datasets=[],
+        complete=False,
     )
-    if out_dir is not None:
-        write_report(report, out_dir)
+    sampling = SamplingParams(temperature=temperature)
+    was_training = drafter.training
+    drafter.eval()
+    try:
+        _warm_up(target, drafter, next(iter(prompt_sets.values())))
+        for name, prompts in tqdm(
+            prompt_sets.items(), desc="eval", unit="dataset", disable=not progress, dynamic_ncols=True
+        ):
+            report.datasets.append(
+                _evaluate_dataset(
+                    target,
+                    drafter,
+                    name,
+                    prompts,
+                    max_new_tokens=max_new_tokens,
+                    sampling=sampling,
+                    seed=seed,
+                    check=check_lossless and sampling.greedy,
+                    batch_size=batch_size or len(prompts),
+                )
+            )
+            report.complete = len(report.datasets) == len(prompt_sets)
+            if out_dir is not None:
+                write_report(report, out_dir)
+    finally:
+        drafter.train(was_training)
     return report
 
 
 def _warm_up(target: LoadedTarget, drafter: DFlashDrafter, prompts: list[Prompt]) -> None:
+    """One short run of each kind (library initialisation on the device is not timed)."""
     if not prompts:
         return
-    input_ids = encode_prompt(target.tokenizer, prompts[0], target.device)
-    target_generate(target.model, input_ids, max_new_tokens=WARMUP_TOKENS, stop_token_ids=target.stop_token_ids)
-    speculative_generate(
-        target.model, drafter, input_ids, max_new_tokens=WARMUP_TOKENS, stop_token_ids=target.stop_token_ids
-    )
+    ids = [prompt_token_ids(target.tokenizer, prompts[0])]
+    stops = target.stop_token_ids
+    target_generate_batch(target.model, ids, max_new_tokens=WARMUP_TOKENS, stop_token_ids=stops, use_graphs=False)
+    SpeculativeDecoder(
+        target.model, drafter, ids, max_new_tokens=WARMUP_TOKENS, stop_token_ids=stops, use_graphs=False
+    ).run()
 
 
 def _evaluate_dataset(
@@ -243,43 +275,35 @@ def _evaluate_dataset(
     prompts: list[Prompt],
     *,
     max_new_tokens: int,
-    temperature: float,
-    generator: torch.Generator | None,
+    sampling: SamplingParams,
+    seed: int,
     check: bool,
-    progress: bool,
+    batch_size: int,
 ) -> DatasetReport:
     if not prompts:
         raise ValueError(f"prompt set {name!r}: no prompts")
-    baselines: list[GenerationResult] = []
-    speculative: list[GenerationResult] = []
+    ids = [prompt_token_ids(target.tokenizer, prompt) for prompt in prompts]
+    seeds = [derive_seed(seed, name, prompt.id) for prompt in prompts]
+    common = dict(max_new_tokens=max_new_tokens, stop_token_ids=target.stop_token_ids, sampling=sampling)
+    baseline_runs: list[BatchRun] = []
+    speculative_runs: list[BatchRun] = []
+    for start in range(0, len(prompts), batch_size):
+        chunk, chunk_seeds = ids[start : start + batch_size], seeds[start : start + batch_size]
+        baseline_runs.append(target_generate_batch(target.model, chunk, seeds=chunk_seeds, **common))
+        speculative_runs.append(SpeculativeDecoder(target.model, drafter, chunk, seeds=chunk_seeds, **common).run())
+    baselines = [result for run in baseline_runs for result in run.results]
+    speculative = [result for run in speculative_runs for result in run.results]
+
     near_ties: list[NearTieDivergence] = []
     exact = 0
-    for prompt in tqdm(prompts, desc=f"eval {name}", unit="prompt", disable=not progress, dynamic_ncols=True):
-        input_ids = encode_prompt(target.tokenizer, prompt, target.device)
-        baseline = target_generate(
-            target.model,
-            input_ids,
-            max_new_tokens=max_new_tokens,
-            stop_token_ids=target.stop_token_ids,
-            temperature=temperature,
-            generator=generator,
-        )
-        result = speculative_generate(
-            target.model,
-            drafter,
-            input_ids,
-            max_new_tokens=max_new_tokens,
-            stop_token_ids=target.stop_token_ids,
-            temperature=temperature,
-            generator=generator,
-        )
-        baselines.append(baseline)
-        speculative.append(result)
-        if check:
+    check_s = 0.0
+    if check:
+        start_time = synchronized_time(target.device)
+        for prompt, prompt_ids, baseline, result in zip(prompts, ids, baselines, speculative, strict=True):
             near_tie = verify_lossless(
                 prompt_id=prompt.id,
                 target_model=target.model,
-                input_ids=input_ids,
+                input_ids=torch.tensor([prompt_ids], device=target.device),
                 target_ids=baseline.output_ids,
                 speculative_ids=result.output_ids,
                 tokenizer=target.tokenizer,
@@ -288,6 +312,7 @@ def _evaluate_dataset(
                 exact += 1
             else:
                 near_ties.append(near_tie)
+        check_s = synchronized_time(target.device) - start_time
 
     histogram = [0] * drafter.config.block_size
     for result in speculative:
@@ -295,27 +320,33 @@ def _evaluate_dataset(
             histogram[length - 1] += 1
     steps = sum(histogram)
     committed = sum(length * count for length, count in enumerate(histogram, start=1))
-    baseline_rate = _decode_rate(baselines)
-    speculative_rate = _decode_rate(speculative)
+    per_prompt = [result.tau for result in speculative if result.accepted_lengths]
+    baseline_rate = _decode_rate(baseline_runs)
+    speculative_rate = _decode_rate(speculative_runs)
     return DatasetReport(
         name=name,
         num_prompts=len(prompts),
         new_tokens=sum(len(result.output_ids) for result in speculative),
         tau=committed / steps if steps else 0.0,
+        tau_per_prompt=sum(per_prompt) / len(per_prompt) if per_prompt else 0.0,
         accepted_histogram=histogram,
+        batch_rows=max(run.rows for run in speculative_runs),
         baseline_tokens_per_s=baseline_rate,
         speculative_tokens_per_s=speculative_rate,
         speedup=speculative_rate / baseline_rate if baseline_rate > 0 else 0.0,
         lossless_checked=check,
         exact_matches=exact,
         near_ties=near_ties,
+        baseline_s=sum(run.wall_s for run in baseline_runs),
+        speculative_s=sum(run.wall_s for run in speculative_runs),
+        check_s=check_s,
     )
 
 
-def _decode_rate(results: list[GenerationResult]) -> float:
-    """Tokens per second of the decoding phase: tokens after the first over time after the prefill."""
-    tokens = sum(len(result.output_ids) - 1 for result in results)
-    seconds = sum(result.decode_s for result in results)
+def _decode_rate(runs: list[BatchRun]) -> float:
+    """Tokens per second of the decoding phase: tokens after each prompt's first over time after the prefill."""
+    tokens = sum(len(result.output_ids) - 1 for run in runs for result in run.results)
+    seconds = sum(run.decode_s for run in runs)
     return tokens / seconds if seconds > 0 else 0.0
 
 
@@ -328,29 +359,28 @@ def quick_tau(
     num_prompts: int = 8,
     max_new_tokens: int = 64,
 ) -> float:
-    """Greedy tau over a few prompts (given, or the first `num_prompts` of each dataset), without a baseline run:
-    for periodic evaluation during training. The drafter's train/eval mode is restored afterwards."""
+    """Greedy tau pooled over a few prompts (given, or the first `num_prompts` of each dataset), decoded as one
+    batch without a baseline run: for periodic evaluation during training. Eager (no CUDA graphs: the
+    training drafter may be compiled). The drafter's train/eval mode is restored afterwards."""
     if prompts is None:
         if not datasets:
             raise ValueError("quick_tau: pass prompts or datasets")
         prompts = [p for name in datasets for p in load_prompt_set(name, split="test", limit=num_prompts)]
     was_training = drafter.training
     drafter.eval()
-    committed = forwards = 0
     try:
-        for prompt in prompts:
-            result = speculative_generate(
-                target.model,
-                drafter,
-                encode_prompt(target.tokenizer, prompt, target.device),
-                max_new_tokens=max_new_tokens,
-                stop_token_ids=target.stop_token_ids,
-            )
-            committed += sum(result.accepted_lengths)
-            forwards += len(result.accepted_lengths)
+        run = SpeculativeDecoder(
+            target.model,
+            drafter,
+            [prompt_token_ids(target.tokenizer, prompt) for prompt in prompts],
+            max_new_tokens=max_new_tokens,
+            stop_token_ids=target.stop_token_ids,
+            use_graphs=False,
+        ).run()
     finally:
         drafter.train(was_training)
-    return committed / forwards if forwards else 0.0
+    lengths = [length for result in run.results for length in result.accepted_lengths]
+    return sum(lengths) / len(lengths) if lengths else 0.0
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -360,20 +390,21 @@ def quick_tau(
 def format_table(report: EvalReport) -> str:
     """The console table: one row per dataset, then each dataset's accepted-length distribution."""
     header = (
-        f"{'dataset':<16}{'prompts':>8}{'tokens':>8}{'tau':>7}{'base tok/s':>12}{'spec tok/s':>12}{'speedup':>9}"
-        "  lossless"
+        f"{'dataset':<16}{'prompts':>8}{'tokens':>8}{'tau':>7}{'tau/pr':>8}{'batch':>6}{'base tok/s':>12}"
+        f"{'spec tok/s':>12}{'speedup':>9}  lossless"
     )
     lines = [
         f"target {report.target} ({report.dtype}), block {report.block_size}, temperature {report.temperature}, "
-        f"max {report.max_new_tokens} new tokens",
+        f"max {report.max_new_tokens} new tokens; tau pooled over steps and tau/pr the mean over prompts; "
+        "tok/s at the batch shown (an indication: a serving engine measures deployable speed-up)",
         header,
         "-" * len(header),
     ]
     for data in report.datasets:
         lines.append(
-            f"{data.name[:15]:<16}{data.num_prompts:>8}{data.new_tokens:>8}{data.tau:>7.2f}"
-            f"{data.baseline_tokens_per_s:>12.1f}{data.speculative_tokens_per_s:>12.1f}{data.speedup:>8.2f}x  "
-            f"{_lossless_summary(data)}"
+            f"{data.name[:15]:<16}{data.num_prompts:>8}{data.new_tokens:>8}{data.tau:>7.2f}{data.tau_per_prompt:>8.2f}"
+            f"{data.batch_rows:>6}{data.baseline_tokens_per_s:>12.1f}{data.speculative_tokens_per_s:>12.1f}"
+            f"{data.speedup:>8.2f}x  {_lossless_summary(data)}"
         )
     for data in report.datasets:
         steps = sum(data.accepted_histogram) or 1

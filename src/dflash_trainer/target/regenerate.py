@@ -6,16 +6,36 @@ and user turns are kept and every assistant turn is generated again, in order, e
 before it with the earlier assistant turns already regenerated. A conversation that ends in a user turn (a
 prompt) gets a generated final assistant turn.
 
-Output: `out_dir/regen-XXXXX.jsonl`, one `{"id", "messages"}` record per line, shard i holding input records
-[i*shard_size, (i+1)*shard_size) in input order. A shard is written to a temporary file and renamed into place
-when complete, so an interruption loses at most the shard in progress; a rerun with the same settings skips
-the finished shards (checking that their ids match the input) and continues. `regen.json` holds the settings
-of the run (a rerun with other settings is refused) and, once done, the totals.
+Generation. The decoding engine (`dflash_trainer.decoding`): continuous batching over `batch_size` cache rows
+(static KV cache, CUDA-graphed decode steps on a GPU), waiting prompts served shortest first, a conversation's
+next turn queued as soon as its previous turn is done. Other engines, same prompts and output format:
+- `vllm`, chosen by `auto` when vLLM is installed and the target is a local directory on a GPU. This path has
+  never been run by this project (vLLM is not installed where we test): treat it as untested;
+- `hf`, transformers `generate` in length-sorted batches of `batch_size`: the fallback `auto` picks for targets
+  the engine does not support (linear-attention hybrids, unknown layouts). With sampling its draws depend on
+  the batch a prompt lands in, so an interrupted sampled run does not reproduce an uninterrupted one there.
+With the engine, greedy replies equal transformers' `generate` and sampled ones depend only on (`seed`,
+record, turn, token index) (`decoding/sampling.py`), so a resumed run writes what an uninterrupted one would.
 
-Records whose regenerated reply is empty (the target stopped at once) are left out and counted, since an empty
-assistant turn cannot be trained on. Generation uses transformers `generate` with a KV cache and left padding,
-prompts sorted by length within a shard; when vLLM is installed and the target is on a GPU it is used instead
-(same prompts, same output format).
+Replies cut at `max_new_tokens` are not finished replies: the target never stopped there. `truncated="keep_open"`
+(default) keeps them marked `"truncated": true` on the assistant message and ends the conversation there (later
+turns would answer a reply the target never finished); tokenisation (`data/chat.py`) then trains on the
+reply's content without an end-of-turn token. `truncated="drop"` leaves such records out. Either way the
+summary counts them. Records whose reply is empty (the target stopped at once) are left out and counted;
+prompts longer than `max_prompt_tokens` (when set) are left out and counted.
+
+Output directory, resumable at any point:
+- `regen.json`: the run's settings (a rerun with other settings or other input records is refused) and, once
+  done, `complete: true` and the summary;
+- `regen.partial.jsonl` while running: one line per finished input record, appended and flushed as the record
+  finishes (fsync at most every `FSYNC_SECONDS`), `{"index", "id", "messages"}` or `{"index", "id",
+  "dropped": reason}`. A killed run loses only the records in flight: a rerun reads this journal (a last line
+  cut by the kill is discarded), skips what is in it, and continues;
+- `regen-00000.jsonl`, written when all records are done (then the journal is removed): the journal's lines
+  of the kept records, `{"index", "id", "messages"}`, in input order; what `prepare` reads.
+Changed from the earlier format (`dflash-regen/1`: shards of 1,000 records, each written when complete): one
+output file, records carry their input `index`, cut replies carry `"truncated": true` and end their
+conversation. A directory in the old format is refused (delete it or use another).
 """
 
 from __future__ import annotations
@@ -25,25 +45,34 @@ import importlib.util
 import json
 import os
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, TextIO
 
 import torch
 from tqdm import tqdm
-from transformers import GenerationConfig
 
 from dflash_trainer.data.chat import ChatMessage, RecordError, normalize_record
 from dflash_trainer.data.prepare import read_chat_records
 from dflash_trainer.data.prompts import Prompt
+from dflash_trainer.decoding.batch import BatchDecoder, Completion, RequestQueue
+from dflash_trainer.decoding.batch import Request as DecodeRequest
+from dflash_trainer.decoding.cache import UnsupportedTargetError
+from dflash_trainer.decoding.sampling import SamplingParams, derive_seed
+from dflash_trainer.decoding.target import TargetRunner
 from dflash_trainer.errors import UserError
 from dflash_trainer.target.loader import LoadedTarget
 
-SHARD_PATTERN = "regen-{:05d}.jsonl"
+OUTPUT_FILE = "regen-00000.jsonl"
+JOURNAL_FILE = "regen.partial.jsonl"
 SETTINGS_FILE = "regen.json"
-FORMAT = "dflash-regen/1"
-DEFAULT_SHARD_SIZE = 1000
+FORMAT = "dflash-regen/2"
+FSYNC_SECONDS = 5.0
+# Share of the free GPU memory the engine's KV cache may take.
+CACHE_MEMORY_FRACTION = 0.6
+TruncatedPolicy = Literal["keep_open", "drop"]
+EngineName = Literal["auto", "engine", "hf", "vllm"]
 
 
 class RegenerateError(UserError, ValueError):
@@ -59,26 +88,28 @@ class Conversation:
 @dataclass
 class RegenerateSummary:
     out_dir: str
-    files: list[str] = field(default_factory=list)
-    records: int = 0  # records written, over all shards
-    resumed_records: int = 0  # of those, found already written by an earlier run
-    empty_responses: int = 0  # records left out this run because a reply came back empty
+    engine: str = ""
+    records: int = 0  # records in the output, this run and earlier ones
+    resumed_records: int = 0  # input records found finished (kept or dropped) by an earlier run
+    dropped: dict[str, int] = field(default_factory=dict)  # records left out, per reason, all runs
     responses: int = 0  # assistant turns generated this run
     truncated: int = 0  # of those, cut by max_new_tokens before a stop token
     new_tokens: int = 0
     seconds: float = 0.0
+    # The decoding engine's counters (steps, prefill and decode seconds, cache growths); empty for other engines.
+    decode_stats: dict[str, Any] = field(default_factory=dict)
 
     def format(self) -> str:
         rate = self.new_tokens / self.seconds if self.seconds > 0 else 0.0
         text = (
-            f"regenerated {self.responses:,} assistant turns ({self.new_tokens:,} tokens, {rate:,.0f} tokens/s, "
-            f"{self.truncated:,} cut at max_new_tokens); {self.records:,} records in {len(self.files)} shards "
-            f"-> {self.out_dir}"
+            f"regenerated {self.responses:,} assistant turns with {self.engine} ({self.new_tokens:,} tokens, "
+            f"{rate:,.0f} tokens/s, {self.truncated:,} cut at max_new_tokens); {self.records:,} records "
+            f"-> {Path(self.out_dir) / OUTPUT_FILE}"
         )
         if self.resumed_records:
             text += f"; {self.resumed_records:,} records were already done"
-        if self.empty_responses:
-            text += f"; {self.empty_responses:,} records left out for an empty reply"
+        if self.dropped:
+            text += "; left out: " + ", ".join(f"{reason} {count:,}" for reason, count in sorted(self.dropped.items()))
         return text
 
 
@@ -92,23 +123,28 @@ def regenerate(
     temperature: float = 0.0,
     top_p: float = 1.0,
     seed: int = 0,
-    shard_size: int = DEFAULT_SHARD_SIZE,
     limit: int | None = None,
+    truncated: TruncatedPolicy = "keep_open",
+    max_prompt_tokens: int | None = None,
     progress: bool = True,
-    engine: Literal["auto", "hf", "vllm"] = "auto",
+    engine: EngineName = "auto",
 ) -> RegenerateSummary:
     """Write `records` with every assistant turn replaced by the target's response into `out_dir`.
 
     `records`: a chat JSONL path (records with `messages`, ShareGPT `conversations` or `prompt`[+`response`],
     optional `id`), or a list of conversations (lists of `{"role", "content"}`), such records, or `Prompt`s.
-    `temperature` 0 is greedy decoding; sampling seeds derive from `seed`, the shard and the turn, so a
-    resumed run writes what an uninterrupted one would have. `limit` takes the first that many records.
-    `engine` `auto` picks vLLM when it is installed and the target is on a GPU, else transformers.
+    `batch_size`: cache rows of the engine (sequences decoded at once), or the batch of `hf`. `temperature` 0
+    is greedy decoding. `limit` takes the first that many records. See the module docstring for the rest.
     """
-    if max_new_tokens < 1 or batch_size < 1 or shard_size < 1:
-        raise ValueError("max_new_tokens, batch_size and shard_size must be >= 1")
+    if max_new_tokens < 1 or batch_size < 1:
+        raise ValueError("max_new_tokens and batch_size must be >= 1")
     if limit is not None and limit < 1:
         raise ValueError(f"limit must be >= 1, got {limit}")
+    if truncated not in ("keep_open", "drop"):
+        raise ValueError(f"truncated: {truncated!r} is not one of keep_open, drop")
+    if max_prompt_tokens is not None and max_prompt_tokens < 1:
+        raise ValueError(f"max_prompt_tokens must be >= 1, got {max_prompt_tokens}")
+    sampling = SamplingParams(temperature=temperature, top_p=top_p)
     conversations = load_conversations(records, limit=limit)
     if not conversations:
         raise RegenerateError(f"{records if isinstance(records, (str, Path)) else 'records'}: no records")
@@ -117,53 +153,65 @@ def regenerate(
         "format": FORMAT,
         "target": target.name,
         "num_records": len(conversations),
-        "shard_size": shard_size,
+        "input_fingerprint": _fingerprint(conversations),
         "max_new_tokens": max_new_tokens,
         "temperature": temperature,
         "top_p": top_p,
         "seed": seed,
+        "truncated": truncated,
+        "max_prompt_tokens": max_prompt_tokens,
     }
-    _claim_out_dir(out_path, settings)
-    sampling = Sampling(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p)
-    generator = _make_engine(engine, target=target, sampling=sampling, batch_size=batch_size)
-
-    shards = [conversations[i : i + shard_size] for i in range(0, len(conversations), shard_size)]
-    shard_files = [out_path / SHARD_PATTERN.format(index) for index in range(len(shards))]
-    pending_turns = sum(
-        len(_assistant_slots(c.messages))
-        for shard, path in zip(shards, shard_files, strict=True)
-        if not path.is_file()
-        for c in shard
-    )
     summary = RegenerateSummary(out_dir=str(out_path))
+    if _claim_out_dir(out_path, settings):
+        done = json.loads((out_path / SETTINGS_FILE).read_text())["summary"]
+        summary.engine, summary.records, summary.dropped = done["engine"], done["records"], done["dropped"]
+        summary.resumed_records = len(conversations)
+        return summary
+
+    journal_path = out_path / JOURNAL_FILE
+    finished = _read_journal(journal_path, num_records=len(conversations))
+    summary.resumed_records = len(finished)
+    for entry in finished.values():
+        if entry.dropped is not None:
+            summary.dropped[entry.dropped] = summary.dropped.get(entry.dropped, 0) + 1
+    pending = [index for index in range(len(conversations)) if index not in finished]
+    # More rows than conversations would only decode padding: a conversation has one turn in flight at a time.
+    rows = max(1, min(batch_size, len(pending)))
+    generator = _make_engine(engine, target=target, sampling=sampling, batch_size=rows, max_new=max_new_tokens)
+    summary.engine = generator.name
     start_time = time.perf_counter()
-    with tqdm(total=pending_turns, unit="turn", desc="regenerate", disable=not progress, dynamic_ncols=True) as bar:
-
-        def on_progress(responses: int, tokens: int) -> None:
-            summary.responses += responses
-            summary.new_tokens += tokens
-            bar.update(responses)
+    with (
+        _Journal(journal_path) as journal,
+        tqdm(
+            total=sum(len(_assistant_slots(conversations[i].messages)) for i in pending),
+            unit="turn",
+            desc="regenerate",
+            disable=not progress,
+            dynamic_ncols=True,
+        ) as bar,
+    ):
+        job = _Job(
+            conversations=conversations,
+            target=target,
+            seed=seed,
+            truncated=truncated,
+            max_prompt_tokens=max_prompt_tokens,
+            journal=journal,
+            summary=summary,
+            bar=bar,
+        )
+        queue = RequestQueue()
+        for index in pending:
+            job.start(index, queue)
+        for completion in generator.generate(queue):
+            job.finish(completion, queue)
             bar.set_postfix_str(f"{summary.new_tokens / max(time.perf_counter() - start_time, 1e-9):,.0f} tok/s")
-
-        for shard_index, (shard, shard_file) in enumerate(zip(shards, shard_files, strict=True)):
-            if shard_file.is_file():
-                written = _check_finished_shard(shard_file, shard)
-                summary.resumed_records += written
-            else:
-                regenerated = _regenerate_shard(
-                    shard,
-                    target,
-                    generator,
-                    seed=_derive_seed(seed, shard_index),
-                    summary=summary,
-                    on_progress=on_progress,
-                )
-                _write_shard_atomically(shard_file, regenerated)
-                written = len(regenerated)
-            summary.records += written
-            summary.files.append(str(shard_file))
     summary.seconds = time.perf_counter() - start_time
+    if isinstance(generator, _StaticEngine):
+        summary.decode_stats = asdict(generator.decoder.stats)
+    summary.records = _write_output(journal_path, out_path / OUTPUT_FILE, num_records=len(conversations))
     _write_json_atomically(out_path / SETTINGS_FILE, {**settings, "complete": True, "summary": asdict(summary)})
+    journal_path.unlink()
     return summary
 
 
@@ -207,54 +255,19 @@ def _record_id(record: Mapping[str, Any], *, default: str) -> str:
     return str(value) if isinstance(value, (str, int)) and not isinstance(value, bool) else default
 
 
+def _fingerprint(conversations: list[Conversation]) -> str:
+    digest = hashlib.blake2b(digest_size=16)
+    for conversation in conversations:
+        digest.update(json.dumps([conversation.id, conversation.messages], ensure_ascii=False).encode())
+    return digest.hexdigest()
+
+
 def _assistant_slots(messages: list[ChatMessage]) -> list[int]:
     """Message indices to generate: every assistant turn, plus one appended after a final non-assistant turn."""
     slots = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
     if messages[-1]["role"] != "assistant":
         slots.append(len(messages))
     return slots
-
-
-# ----------------------------------------------------------------------------------------------------------
-# One shard
-
-
-def _regenerate_shard(
-    shard: list[Conversation],
-    target: LoadedTarget,
-    generator: Engine,
-    *,
-    seed: int,
-    summary: RegenerateSummary,
-    on_progress: Callable[[int, int], None],
-) -> list[Conversation]:
-    """The shard's conversations with regenerated assistant turns, in input order, minus empty replies."""
-    working = [Conversation(c.id, [dict(m) for m in c.messages]) for c in shard]
-    slots = [_assistant_slots(c.messages) for c in shard]
-    empty: set[int] = set()
-    # Round r generates the r-th assistant turn of every conversation that has one, so that turn r+1 is
-    # generated from a history whose earlier turns are already the target's own.
-    for round_index in range(max(len(s) for s in slots)):
-        members = [i for i, s in enumerate(slots) if len(s) > round_index and i not in empty]
-        if not members:
-            break
-        prompts = [chat_prompt_ids(target, working[i].messages[: slots[i][round_index]]) for i in members]
-        outputs = generator.generate(prompts, seed=_derive_seed(seed, round_index), on_progress=on_progress)
-        for member, new_ids in zip(members, outputs, strict=True):
-            reply_ids, stopped = cut_at_stop(new_ids, target.stop_token_ids)
-            summary.truncated += 0 if stopped else 1
-            text = target.tokenizer.decode(reply_ids, skip_special_tokens=False)
-            if not text.strip():
-                empty.add(member)
-                continue
-            reply = {"role": "assistant", "content": text}
-            slot = slots[member][round_index]
-            if slot == len(working[member].messages):
-                working[member].messages.append(reply)
-            else:
-                working[member].messages[slot] = reply
-    summary.empty_responses += len(empty)
-    return [c for i, c in enumerate(working) if i not in empty]
 
 
 def chat_prompt_ids(target: LoadedTarget, messages: list[ChatMessage]) -> list[int]:
@@ -264,7 +277,7 @@ def chat_prompt_ids(target: LoadedTarget, messages: list[ChatMessage]) -> list[i
     return list(target.tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
-def cut_at_stop(new_ids: Sequence[int], stop_token_ids: Iterable[int]) -> tuple[list[int], bool]:
+def cut_at_stop(new_ids: Sequence[int], stop_token_ids: Sequence[int]) -> tuple[list[int], bool]:
     """(the reply's token ids before the first stop token, whether a stop token was produced)."""
     stops = set(stop_token_ids)
     for position, token_id in enumerate(new_ids):
@@ -273,33 +286,120 @@ def cut_at_stop(new_ids: Sequence[int], stop_token_ids: Iterable[int]) -> tuple[
     return list(new_ids), False
 
 
-def _derive_seed(*parts: int) -> int:
-    digest = hashlib.blake2b(":".join(str(p) for p in parts).encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") >> 1
+# ----------------------------------------------------------------------------------------------------------
+# The conversations in flight
+
+
+@dataclass
+class _Job:
+    """Turn by turn: queue a conversation's next turn, take a finished reply, write finished records."""
+
+    conversations: list[Conversation]
+    target: LoadedTarget
+    seed: int
+    truncated: TruncatedPolicy
+    max_prompt_tokens: int | None
+    journal: _Journal
+    summary: RegenerateSummary
+    bar: tqdm
+    working: dict[int, list[ChatMessage]] = field(default_factory=dict)
+
+    def start(self, index: int, queue: RequestQueue) -> None:
+        self.working[index] = [dict(m) for m in self.conversations[index].messages]
+        self._queue_turn(index, 0, queue)
+
+    def _queue_turn(self, index: int, turn: int, queue: RequestQueue) -> None:
+        messages = self.working[index]
+        prompt = chat_prompt_ids(self.target, messages[: _assistant_slots(messages)[turn]])
+        if self.max_prompt_tokens is not None and len(prompt) > self.max_prompt_tokens:
+            self._drop(index, "prompt_too_long")
+            return
+        queue.push(DecodeRequest(key=(index, turn), prompt=prompt, seed=derive_seed(self.seed, index, turn)))
+
+    def finish(self, completion: Completion, queue: RequestQueue) -> None:
+        key = completion.key
+        assert isinstance(key, tuple)
+        index, turn = key
+        messages = self.working[index]
+        slots = _assistant_slots(messages)
+        reply_ids, stopped = cut_at_stop(completion.tokens, self.target.stop_token_ids)
+        self.summary.responses += 1
+        self.summary.new_tokens += len(completion.tokens)
+        self.bar.update(1)
+        text = self.target.tokenizer.decode(reply_ids, skip_special_tokens=False)
+        if not text.strip():
+            self._drop(index, "empty_reply", remaining_turns=len(slots) - turn - 1)
+            return
+        reply: ChatMessage = {"role": "assistant", "content": text}
+        slot = slots[turn]
+        if not stopped:
+            self.summary.truncated += 1
+            if self.truncated == "drop":
+                self._drop(index, "truncated", remaining_turns=len(slots) - turn - 1)
+                return
+            reply["truncated"] = True
+            del messages[slot:]  # the conversation ends inside this reply
+            self.bar.update(len(slots) - turn - 1)
+        if slot == len(messages):
+            messages.append(reply)
+        else:
+            messages[slot] = reply
+        if stopped and turn + 1 < len(slots):
+            self._queue_turn(index, turn + 1, queue)
+            return
+        self.journal.write({"index": index, "id": self.conversations[index].id, "messages": messages})
+        del self.working[index]
+
+    def _drop(self, index: int, reason: str, remaining_turns: int = 0) -> None:
+        self.summary.dropped[reason] = self.summary.dropped.get(reason, 0) + 1
+        self.bar.update(remaining_turns)
+        self.journal.write({"index": index, "id": self.conversations[index].id, "dropped": reason})
+        del self.working[index]
 
 
 # ----------------------------------------------------------------------------------------------------------
-# Engines: prompts in, new token ids out (stop token included, padding removed)
+# Engines: a queue of prompts in, completions out as they finish
 
 
-@dataclass(frozen=True)
-class Sampling:
-    max_new_tokens: int
-    temperature: float
-    top_p: float
+class _EngineGenerator:
+    name = ""
 
-
-class Engine:
-    def generate(
-        self, prompts: list[list[int]], *, seed: int, on_progress: Callable[[int, int], None]
-    ) -> list[list[int]]:
+    def generate(self, queue: RequestQueue) -> Iterator[Completion]:
         raise NotImplementedError
 
 
-class HFEngine(Engine):
+class _StaticEngine(_EngineGenerator):
+    """The decoding engine: continuous batching over a static KV cache (see `decoding/batch.py`)."""
+
+    name = "the decoding engine"
+
+    def __init__(self, target: LoadedTarget, *, sampling: SamplingParams, rows: int, max_new: int) -> None:
+        runner = TargetRunner(target.model)
+        budget = None
+        if target.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(target.device)
+            budget = int(CACHE_MEMORY_FRACTION * free)
+        self.decoder = BatchDecoder(
+            runner,
+            rows=rows,
+            max_new_tokens=max_new,
+            stop_token_ids=target.stop_token_ids,
+            sampling=sampling,
+            memory_budget=budget,
+        )
+
+    def generate(self, queue: RequestQueue) -> Iterator[Completion]:
+        return self.decoder.generate(queue)
+
+
+class _HFGenerate(_EngineGenerator):
     """transformers `generate`: batches of `batch_size` prompts of similar length, left-padded, KV cache."""
 
-    def __init__(self, target: LoadedTarget, *, sampling: Sampling, batch_size: int) -> None:
+    name = "transformers generate"
+
+    def __init__(self, target: LoadedTarget, *, sampling: SamplingParams, batch_size: int, max_new: int) -> None:
+        from transformers import GenerationConfig
+
         self.target = target
         self.batch_size = batch_size
         pad_id = target.tokenizer.pad_token_id
@@ -309,9 +409,9 @@ class HFEngine(Engine):
         # Set explicitly: unset knobs are filled from the model's generation_config (Qwen2.5 ships
         # repetition_penalty 1.05, Qwen3 top_k 20), and the run must do what its settings say. Sampling-only
         # knobs stay unset (None) for greedy decoding: transformers would warn that it ignores them.
-        sample = sampling.temperature > 0
+        sample = not sampling.greedy
         self.generation_config = GenerationConfig(
-            max_new_tokens=sampling.max_new_tokens,
+            max_new_tokens=max_new,
             do_sample=sample,
             temperature=sampling.temperature if sample else None,
             top_p=sampling.top_p if sample else None,
@@ -321,33 +421,26 @@ class HFEngine(Engine):
             pad_token_id=self.pad_id,
         )
 
-    def generate(
-        self, prompts: list[list[int]], *, seed: int, on_progress: Callable[[int, int], None]
-    ) -> list[list[int]]:
-        order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
-        results: list[list[int]] = [[] for _ in prompts]
+    def generate(self, queue: RequestQueue) -> Iterator[Completion]:
         stops = set(self.target.stop_token_ids)
-        for batch_index, start in enumerate(range(0, len(order), self.batch_size)):
-            indices = order[start : start + self.batch_size]
-            new_ids = self._generate_batch([prompts[i] for i in indices], seed=_derive_seed(seed, batch_index))
-            tokens = 0
-            for index, row in zip(indices, new_ids, strict=True):
-                results[index] = _trim_after_stop(row, stops)
-                tokens += len(results[index])
-            on_progress(len(indices), tokens)
-        return results
+        while queue:
+            batch = queue.pop(self.batch_size)
+            for request, row in zip(batch, self._generate_batch(batch), strict=True):
+                tokens = _trim_after_stop(row, stops)
+                yield Completion(request.key, tokens, stopped=bool(tokens) and tokens[-1] in stops)
 
-    def _generate_batch(self, prompts: list[list[int]], *, seed: int) -> list[list[int]]:
+    @torch.inference_mode()
+    def _generate_batch(self, batch: list[DecodeRequest]) -> list[list[int]]:
         device = self.target.device
-        width = max(len(p) for p in prompts)
-        input_ids = torch.full((len(prompts), width), self.pad_id, dtype=torch.long)  # [B, P]
-        attention_mask = torch.zeros((len(prompts), width), dtype=torch.long)  # [B, P]
-        for row, prompt in enumerate(prompts):
-            input_ids[row, width - len(prompt) :] = torch.tensor(prompt, dtype=torch.long)
-            attention_mask[row, width - len(prompt) :] = 1
+        width = max(len(r.prompt) for r in batch)
+        input_ids = torch.full((len(batch), width), self.pad_id, dtype=torch.long)  # [B, P]
+        attention_mask = torch.zeros((len(batch), width), dtype=torch.long)  # [B, P]
+        for row, request in enumerate(batch):
+            input_ids[row, width - len(request.prompt) :] = torch.tensor(request.prompt, dtype=torch.long)
+            attention_mask[row, width - len(request.prompt) :] = 1
         devices = [device] if device.type == "cuda" else []
-        with torch.random.fork_rng(devices=devices), torch.no_grad():
-            torch.manual_seed(seed)
+        with torch.random.fork_rng(devices=devices):
+            torch.manual_seed(batch[0].seed)
             output = self.target.model.generate(
                 input_ids=input_ids.to(device),
                 attention_mask=attention_mask.to(device),
@@ -356,15 +449,18 @@ class HFEngine(Engine):
         return output[:, width:].tolist()
 
 
-class VLLMEngine(Engine):
-    """vLLM on the target's weights directory: one call per round, vLLM schedules the batches itself."""
+class _VLLMGenerate(_EngineGenerator):
+    """vLLM on the target's weights directory (never run by this project: untested)."""
 
-    def __init__(self, target: LoadedTarget, *, sampling: Sampling) -> None:
+    name = "vLLM"
+
+    def __init__(self, target: LoadedTarget, *, sampling: SamplingParams, max_new: int) -> None:
         from vllm import LLM
 
         if target.model_dir is None:
             raise ValueError(f"target {target.name}: vLLM needs a local model directory")
         self.sampling = sampling
+        self.max_new = max_new
         self.stop_token_ids = list(target.stop_token_ids)
         free, total = torch.cuda.mem_get_info(target.device)
         # The transformers copy of the target already sits on this GPU; give vLLM most of what is left.
@@ -375,35 +471,47 @@ class VLLMEngine(Engine):
             gpu_memory_utilization=0.9 * free / total,
         )
 
-    def generate(
-        self, prompts: list[list[int]], *, seed: int, on_progress: Callable[[int, int], None]
-    ) -> list[list[int]]:
-        from vllm import SamplingParams
+    def generate(self, queue: RequestQueue) -> Iterator[Completion]:
+        from vllm import SamplingParams as VLLMSampling
 
-        params = SamplingParams(
-            max_tokens=self.sampling.max_new_tokens,
-            temperature=self.sampling.temperature,
-            top_p=self.sampling.top_p if self.sampling.temperature > 0 else 1.0,
-            stop_token_ids=self.stop_token_ids,
-            skip_special_tokens=False,
-            seed=seed,
-        )
-        outputs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-        results = [list(output.outputs[0].token_ids) for output in outputs]
-        on_progress(len(results), sum(len(r) for r in results))
-        return results
+        while queue:
+            batch = queue.pop(len(queue))  # one round: vLLM schedules the batches itself
+            params = [
+                VLLMSampling(
+                    max_tokens=self.max_new,
+                    temperature=self.sampling.temperature,
+                    top_p=1.0 if self.sampling.greedy else self.sampling.top_p,
+                    stop_token_ids=self.stop_token_ids,
+                    skip_special_tokens=False,
+                    seed=request.seed,
+                )
+                for request in batch
+            ]
+            prompts = [{"prompt_token_ids": request.prompt} for request in batch]
+            outputs = self.llm.generate(prompts, params, use_tqdm=False)
+            stops = set(self.stop_token_ids)
+            for request, output in zip(batch, outputs, strict=True):
+                tokens = list(output.outputs[0].token_ids)
+                yield Completion(request.key, tokens, stopped=bool(tokens) and tokens[-1] in stops)
 
 
 def _make_engine(
-    engine: Literal["auto", "hf", "vllm"], *, target: LoadedTarget, sampling: Sampling, batch_size: int
-) -> Engine:
-    if engine == "auto":
-        engine = "vllm" if _vllm_available() and target.device.type == "cuda" and target.model_dir else "hf"
+    engine: EngineName, *, target: LoadedTarget, sampling: SamplingParams, batch_size: int, max_new: int
+) -> _EngineGenerator:
+    if engine not in ("auto", "engine", "hf", "vllm"):
+        raise ValueError(f"engine: {engine!r} is not one of auto, engine, hf, vllm")
+    if engine == "auto" and _vllm_available() and target.device.type == "cuda" and target.model_dir:
+        engine = "vllm"
     if engine == "vllm":
-        return VLLMEngine(target, sampling=sampling)
-    if engine == "hf":
-        return HFEngine(target, sampling=sampling, batch_size=batch_size)
-    raise ValueError(f"engine: {engine!r} is not one of auto, hf, vllm")
+        return _VLLMGenerate(target, sampling=sampling, max_new=max_new)
+    if engine in ("auto", "engine"):
+        try:
+            return _StaticEngine(target, sampling=sampling, rows=batch_size, max_new=max_new)
+        except UnsupportedTargetError as error:
+            if engine == "engine":
+                raise
+            print(f"regenerate: {error}; using transformers generate (slower)")
+    return _HFGenerate(target, sampling=sampling, batch_size=batch_size, max_new=max_new)
 
 
 def _vllm_available() -> bool:
@@ -419,11 +527,11 @@ def _trim_after_stop(row: list[int], stops: set[int]) -> list[int]:
 
 
 # ----------------------------------------------------------------------------------------------------------
-# Output directory: settings, finished shards, atomic writes
+# Output directory: settings, journal, final file
 
 
-def _claim_out_dir(out_path: Path, settings: dict[str, Any]) -> None:
-    """Create `out_path` or check that the run found there has the same settings; drop unfinished shards."""
+def _claim_out_dir(out_path: Path, settings: dict[str, Any]) -> bool:
+    """Create `out_path` or check that the run found there has the same settings; True if it is complete."""
     out_path.mkdir(parents=True, exist_ok=True)
     settings_path = out_path / SETTINGS_FILE
     if settings_path.is_file():
@@ -431,49 +539,97 @@ def _claim_out_dir(out_path: Path, settings: dict[str, Any]) -> None:
         changed = [key for key in settings if previous.get(key) != settings[key]]
         if changed:
             details = ", ".join(f"{key}: {previous.get(key)!r} -> {settings[key]!r}" for key in changed)
+            hint = " (the input records changed)" if "input_fingerprint" in changed else ""
             raise RegenerateError(
-                f"{out_path} holds a regeneration run with other settings ({details}); "
+                f"{out_path} holds a regeneration run with other settings{hint} ({details}); "
                 "use another output directory or delete it"
             )
-    elif any(out_path.glob("regen-*.jsonl")):
+        return bool(previous.get("complete"))
+    if any(out_path.glob("regen-*.jsonl")) or (out_path / JOURNAL_FILE).exists():
         raise RegenerateError(
-            f"{out_path} holds regen shards but no {SETTINGS_FILE}; delete them or pick another directory"
+            f"{out_path} holds regenerated records but no {SETTINGS_FILE}; delete them or pick another directory"
         )
-    else:
-        _write_json_atomically(settings_path, {**settings, "complete": False})
-    for leftover in out_path.glob(".regen-*.tmp"):
-        leftover.unlink()
+    _write_json_atomically(settings_path, {**settings, "complete": False})
+    return False
 
 
-def _check_finished_shard(path: Path, shard: list[Conversation]) -> int:
-    """Number of records in a finished shard, after checking they are this shard's records (in order)."""
-    expected = [c.id for c in shard]
-    written = []
-    with path.open(encoding="utf-8") as f:
+@dataclass(frozen=True)
+class _JournalEntry:
+    offset: int  # byte offset of its line in the journal
+    dropped: str | None  # the reason, or None for a kept record
+
+
+def _read_journal(path: Path, *, num_records: int) -> dict[int, _JournalEntry]:
+    """Where each finished input record's line is in a journal left by an earlier run (only offsets and drop
+    reasons are kept in memory); a last line cut short by a kill is removed from the file."""
+    if not path.is_file():
+        return {}
+    entries: dict[int, _JournalEntry] = {}
+    with path.open("r+b") as f:
+        offset = 0
         for line_no, line in enumerate(f, start=1):
+            if not line.endswith(b"\n"):
+                f.truncate(offset)  # the write in progress when the run was killed
+                break
             try:
-                written.append(str(json.loads(line)["id"]))
-            except (json.JSONDecodeError, KeyError, TypeError) as error:
-                raise RegenerateError(f"{path}:{line_no}: not a regenerated record ({error})") from error
-    remaining = iter(expected)
-    # Written ids are the expected ones in order, some possibly left out (empty replies).
-    if not all(any(written_id == e for e in remaining) for written_id in written):
-        raise RegenerateError(
-            f"{path}: its record ids do not match input records {expected[0]}..{expected[-1]}; "
-            "the input changed since this directory was written"
-        )
-    return len(written)
+                entry = json.loads(line)
+                index = entry["index"]
+            except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as error:
+                raise RegenerateError(f"{path}:{line_no}: not a regeneration journal entry ({error})") from error
+            if not isinstance(index, int) or not 0 <= index < num_records:
+                raise RegenerateError(f"{path}:{line_no}: index {index!r} outside the {num_records} input records")
+            entries[index] = _JournalEntry(offset=offset, dropped=entry.get("dropped"))
+            offset += len(line)
+    return entries
 
 
-def _write_shard_atomically(path: Path, conversations: list[Conversation]) -> None:
-    temp = path.with_name(f".{path.name}.tmp")
-    with temp.open("w", encoding="utf-8") as f:
-        for conversation in conversations:
-            record = {"id": conversation.id, "messages": conversation.messages}
-            f.write(json.dumps(record, ensure_ascii=False) + "\n")
+class _Journal:
+    """Append-only record journal: every line flushed at once, fsync at most every FSYNC_SECONDS."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._file: TextIO | None = None
+        self._last_sync = 0.0
+
+    def __enter__(self) -> _Journal:
+        self._file = self.path.open("a", encoding="utf-8")
+        self._last_sync = time.monotonic()
+        return self
+
+    def write(self, entry: dict[str, Any]) -> None:
+        assert self._file is not None
+        self._file.write(json.dumps(entry, ensure_ascii=False) + "\n")
+        self._file.flush()  # in the OS: survives the process being killed
+        if time.monotonic() - self._last_sync > FSYNC_SECONDS:
+            os.fsync(self._file.fileno())  # on disk: survives the machine going down
+            self._last_sync = time.monotonic()
+
+    def __exit__(self, *exc_info: object) -> None:
+        assert self._file is not None
+        self._file.flush()
+        os.fsync(self._file.fileno())
+        self._file.close()
+
+
+def _write_output(journal: Path, output: Path, *, num_records: int) -> int:
+    """The journal's kept records in input order into `output` (atomically, line by line); returns how many."""
+    entries = _read_journal(journal, num_records=num_records)
+    missing = num_records - len(entries)
+    if missing:
+        raise RegenerateError(f"{journal}: {missing} input records unfinished at the end of the run")
+    kept = 0
+    temp = output.with_name(f".{output.name}.tmp")
+    with journal.open("rb") as source, temp.open("wb") as f:
+        for index in range(num_records):
+            entry = entries[index]
+            if entry.dropped is None:
+                source.seek(entry.offset)
+                f.write(source.readline())
+                kept += 1
         f.flush()
         os.fsync(f.fileno())
-    os.replace(temp, path)
+    os.replace(temp, output)
+    return kept
 
 
 def _write_json_atomically(path: Path, data: dict[str, Any]) -> None:

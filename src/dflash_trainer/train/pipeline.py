@@ -62,14 +62,17 @@ def regeneration_records(source: str, limit: int | None) -> str | list[dict]:
 def regenerated_chats(source: str, target: LoadedTarget, out_dir: Path, config: RunConfig) -> list[Path]:
     from ..target.regenerate import regenerate
 
-    regenerate(
+    summary = regenerate(
         regeneration_records(source, config.prepare.limit),
         target,
         out_dir,
         max_new_tokens=config.prepare.max_new_tokens,
         batch_size=config.prepare.regenerate_batch_size,
         limit=config.prepare.limit,
+        # A prompt longer than the longest training sample could never be trained on.
+        max_prompt_tokens=config.data.max_seq_len,
     )
+    print(summary.format())
     return sorted(out_dir.glob("regen-*.jsonl"))
 
 
@@ -206,15 +209,17 @@ def _run_training(config: RunConfig, world: World, should_stop: Callable[[], boo
     )
     if config.eval.at_end:
         from ..eval.runner import evaluate
+        from ..export import import_drafter
 
         # Disaggregated drafter ranks hold no decoder layers, and an FP8 target is not the real one: load the whole
         # target, as it is, for the evaluation.
         if target is None or config.target.fp8:
             target = load_config_target(config, device=str(world.device))
-        drafter.eval()
+        # Evaluate what users serve: the exported file, read back in the target's dtype.
+        exported = import_drafter(export_dir, device=target.device, dtype=target.dtype)
         report = evaluate(
             target,
-            drafter,
+            exported,
             config.eval.datasets,
             num_prompts=config.eval.num_prompts,
             max_new_tokens=config.eval.max_new_tokens,
@@ -358,7 +363,7 @@ def eval_command(
     dtype: str,
 ) -> None:
     from ..eval.runner import evaluate
-    from ..export import check_drafter_fits_target
+    from ..export import cast_keeping_rope_fp32, check_drafter_fits_target
 
     drafter, source = load_drafter_any(drafter_path)
     target_config = run_config_of(source).target if (source / "config.yaml").is_file() else None
@@ -372,7 +377,8 @@ def eval_command(
         attn_implementation=target_config.attn_implementation if target_config else "sdpa",
     )
     check_drafter_fits_target(drafter.config, loaded.config, drafter_source=source, target_name=loaded.name)
-    drafter = drafter.to(loaded.device).eval()
+    # In the target's dtype, as a server runs it (RoPE frequencies stay float32).
+    drafter = cast_keeping_rope_fp32(drafter.to(loaded.device), loaded.dtype).eval()
     report = evaluate(
         loaded,
         drafter,

@@ -1,0 +1,49 @@
+"""The main job's at-end evaluation runs on the exported drafter file (what users serve)."""
+
+from __future__ import annotations
+
+import json
+
+import torch
+from safetensors.torch import load_file
+
+from decoding_helpers import one_thread  # noqa: F401 (autouse fixture)
+from dflash_trainer.config import load_config
+from dflash_trainer.eval import runner
+from dflash_trainer.train.pipeline import run_training
+from train_helpers import save_tiny_target, write_counting_shards, write_recipe
+
+
+def test_at_end_evaluation_reads_the_export(tmp_path, monkeypatch):
+    target = save_tiny_target(tmp_path / "target")
+    shards = write_counting_shards(tmp_path / "shards", num_samples=16)
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"id": f"p{i}", "prompt": f"w{i} w{i + 5} w9"}) + "\n" for i in range(2)))
+    recipe = write_recipe(
+        tmp_path / "recipe.yaml",
+        tmp_path / "run",
+        target,
+        shards,
+        train={"max_steps": 2},
+        eval={"at_end": True, "datasets": [str(prompts)], "num_prompts": 2, "max_new_tokens": 8},
+    )
+    seen = []
+    real_evaluate = runner.evaluate
+
+    def spy(target, drafter, *args, **kwargs):
+        seen.append(drafter)
+        return real_evaluate(target, drafter, *args, **kwargs)
+
+    monkeypatch.setattr(runner, "evaluate", spy)
+    run_training(load_config(recipe, []))
+
+    (drafter,) = seen
+    exported = load_file(str(tmp_path / "run" / "export" / "model.safetensors"))
+    state = drafter.state_dict()
+    assert exported and all(
+        torch.equal(state[name].cpu(), value.to(state[name].dtype)) for name, value in exported.items()
+    )
+    # The export is bf16: the evaluated weights are the rounded ones, not the float32 training weights.
+    assert all(value.dtype == torch.bfloat16 for value in exported.values())
+    report = json.loads((tmp_path / "run" / "eval" / "eval.json").read_text())
+    assert report["complete"] and report["datasets"][0]["exact_matches"] == 2
