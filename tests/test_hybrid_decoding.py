@@ -8,6 +8,9 @@ a GPU: test_decoding.py's `test_cuda_graph_steps_equal_eager_steps`.)"""
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from functools import partial
 from pathlib import Path
 
@@ -278,3 +281,70 @@ def test_hybrid_steps_trace_without_graph_breaks():
             torch.compile(partial(speculative._step, 128), backend="eager", fullgraph=True)()
     finally:
         torch._dynamo.reset()
+
+
+# A stand-in for flash-linear-attention's two entry points (its signatures; the naive recurrence inside), so the
+# engine's routing is checked against the calling convention transformers uses when it binds `fla` on a GPU.
+FLA_STAND_IN = """
+import torch
+CALLS = []
+def _naive(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel):
+    q, k, v, b, decay = (x.transpose(1, 2).float() for x in (q, k, v, beta, g))
+    if use_qk_l2norm_in_kernel:
+        q, k = (x * torch.rsqrt((x * x).sum(-1, keepdim=True) + 1e-6) for x in (q, k))
+    q = q * (scale if scale is not None else q.shape[-1] ** -0.5)
+    state = initial_state.float() if initial_state is not None else q.new_zeros(*k.shape[:2], k.shape[-1], v.shape[-1])
+    out = []
+    for t in range(k.shape[2]):
+        state = state * decay[:, :, t].exp()[..., None, None]
+        delta = (v[:, :, t] - (state * k[:, :, t, :, None]).sum(-2)) * b[:, :, t, None]
+        state = state + k[:, :, t, :, None] * delta[:, :, None, :]
+        out.append((state * q[:, :, t, :, None]).sum(-2))
+    return torch.stack(out, 2).transpose(1, 2).to(v.dtype), (state if output_final_state else None)
+def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
+                           use_qk_l2norm_in_kernel=False, cu_seqlens=None, **kwargs):
+    CALLS.append("chunk")
+    return _naive(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel)
+def fused_recurrent_gated_delta_rule(q, k, v, g=None, gk=None, gv=None, beta=None, scale=None, initial_state=None,
+                                     output_final_state=False, use_qk_l2norm_in_kernel=False, cu_seqlens=None,
+                                     **kwargs):
+    assert gk is None and gv is None and beta is not None
+    CALLS.append("recurrent")
+    return _naive(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel)
+"""
+FLA_CHECK = """
+import fla.ops.gated_delta_rule as fla
+from decoding_helpers import hf_greedy, hybrid_target
+from dflash_trainer.decoding.plain import target_generate_batch
+from dflash_trainer.decoding.speculative import SpeculativeDecoder
+from dflash_trainer.model.config import DrafterModelConfig
+from dflash_trainer.model.drafter import DFlashDrafter
+model = hybrid_target()
+prompts = [[1, 2, 3, 4, 5], [7, 8, 9]]
+plain = [r.output_ids for r in target_generate_batch(model, prompts, max_new_tokens=10, stop_token_ids=[]).results]
+calls = set(fla.CALLS)
+config = DrafterModelConfig.from_target(
+    model.config, num_layers=1, block_size=4, mask_token_id=63, num_target_features=2
+)
+drafter = DFlashDrafter(config).eval()
+run = SpeculativeDecoder(model, drafter, prompts, max_new_tokens=10, stop_token_ids=[]).run()
+assert calls == {"chunk", "recurrent"}, calls
+assert plain == [r.output_ids for r in run.results] == [hf_greedy(model, p, 10, []) for p in prompts]
+print("ok")
+"""
+
+
+def test_engine_with_flash_linear_attention_calling_convention(tmp_path: Path):
+    """transformers binds `fla`'s kernels (when importable) under the same names: with a stand-in of fla's two
+    entry points on the path, plain decoding (prefill: chunk; decode: fused recurrent) and speculative decoding
+    (verify and commit: chunk) through the engine still equal `generate`."""
+    package = tmp_path / "fla" / "ops" / "gated_delta_rule"
+    package.mkdir(parents=True)
+    for folder in (tmp_path / "fla", tmp_path / "fla" / "ops"):
+        (folder / "__init__.py").write_text("")
+    (package / "__init__.py").write_text(FLA_STAND_IN)
+    here = Path(__file__).resolve().parent
+    path = os.pathsep.join([str(tmp_path), str(here), str(here.parent / "src")])
+    env = {**os.environ, "PYTHONPATH": path, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    done = subprocess.run([sys.executable, "-c", FLA_CHECK], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stdout + done.stderr
