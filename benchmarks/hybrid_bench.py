@@ -108,6 +108,11 @@ def fla_site(wheels: Path) -> str | None:
 
 
 def run_children(args: argparse.Namespace) -> int:
+    import torch  # the parent never imports transformers: each child picks its kernels before that
+
+    if not torch.cuda.is_available():
+        print("hybrid_bench: needs a CUDA device (a 27B-parameter target)", file=sys.stderr)
+        return 2
     site = fla_site(args.wheels)
     results = {}
     for kernels in ("fla", "torch"):
