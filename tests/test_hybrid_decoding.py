@@ -87,9 +87,14 @@ def run_blocks(model: PreTrainedModel, ids: Tensor, *, keeps: list[list[int]], t
     with torch.no_grad():
         reference = model(ids, output_hidden_states=True)
     cache = runner.new_cache(3, 48)
-    lengths = torch.tensor([12, 9, 5])
+    device = ids.device
+    lengths = torch.tensor([12, 9, 5], device=device)
     prefill = runner.forward(
-        cache, ids[:, :12], torch.arange(12).expand(3, 12), rows=torch.arange(3), last_index=lengths - 1
+        cache,
+        ids[:, :12],
+        torch.arange(12, device=device).expand(3, 12),
+        rows=torch.arange(3, device=device),
+        last_index=lengths - 1,
     )
     for row in range(3):
         torch.testing.assert_close(prefill.logits[row], reference.logits[row, lengths[row] - 1], rtol=0, atol=tolerance)
@@ -97,12 +102,13 @@ def run_blocks(model: PreTrainedModel, ids: Tensor, *, keeps: list[list[int]], t
         torch.testing.assert_close(prefill.features[row, : lengths[row]], taps[: lengths[row]], rtol=0, atol=tolerance)
     position = lengths.clone()
     for keep in keeps:
-        positions = position[:, None] + torch.arange(3)  # [3, 3]
+        positions = position[:, None] + torch.arange(3, device=device)  # [3, 3]
         out = runner.forward(cache, torch.gather(ids, 1, positions), positions, kv_len=48, verify=True)
         for row in range(3):
             torch.testing.assert_close(out.logits[row], reference.logits[row, positions[row]], rtol=0, atol=tolerance)
-        cache.commit(torch.tensor(keep))
-        position += torch.tensor(keep)
+        kept = torch.tensor(keep, device=device)
+        cache.commit(kept)
+        position += kept
 
 
 KEEPS = [[1, 3, 2], [3, 0, 1], [2, 2, 3], [0, 1, 1], [3, 3, 0], [1, 2, 3]]
@@ -118,12 +124,21 @@ def test_verified_blocks_roll_the_recurrent_states_back_exactly(monkeypatch):
     run_blocks(model, ids, keeps=KEEPS, tolerance=1e-10)
 
 
-def test_static_cache_forward_equals_transformers_with_its_own_kernels():
-    """float32 with transformers' chunked/recurrent kernels: equal up to their float32 rounding (a wrong
-    rollback is off by O(1))."""
-    model = hybrid_target()
-    ids = seeded(lambda: torch.randint(0, VOCAB, (3, 36)), 1)
-    run_blocks(model, ids, keeps=KEEPS, tolerance=2e-3)
+GPU = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+@pytest.mark.parametrize(
+    ("device", "tolerance"),
+    [("cpu", 2e-3), pytest.param("cuda", 5e-2, marks=[pytest.mark.gpu, GPU])],
+    ids=["cpu", "cuda"],
+)
+def test_static_cache_forward_equals_transformers_with_its_own_kernels(device, tolerance):
+    """float32 with the kernels transformers bound (its PyTorch fallbacks; on a GPU flash-linear-attention's
+    Triton kernels when `fla` is importable, whose chunked form takes TF32 dots): equal up to their rounding, where
+    a wrong rollback is off by O(1)."""
+    model = hybrid_target().to(device)
+    ids = seeded(lambda: torch.randint(0, VOCAB, (3, 36)), 1).to(device)
+    run_blocks(model, ids, keeps=KEEPS, tolerance=tolerance)
 
 
 def test_only_known_hybrid_layouts_are_served():
