@@ -320,5 +320,6 @@ def test_cuda_graph_steps_equal_eager_steps(sampling):
         return [(r.output_ids, r.accepted_lengths) for r in run.results], run.graphs_captured
 
     (eager_spec, _), (graphed_spec, captured_spec) = speculate(False), speculate(True)
-    assert graphed_spec == eager_spec and captured_spec >= 2
+    # The speculative decoder sizes its cache once for the whole batch: one attended length, one verify graph.
+    assert graphed_spec == eager_spec and captured_spec >= 1
     assert [out for out, _ in eager_spec] == [eager[i][0] for i in range(len(prompts))]
