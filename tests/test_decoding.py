@@ -300,7 +300,8 @@ def test_cuda_graph_steps_equal_eager_steps(name, sampling):
         return [(r.output_ids, r.accepted_lengths) for r in run.results], run.graphs_captured
 
     (eager_spec, _), (graphed_spec, captured_spec) = speculate(False), speculate(True)
-    assert graphed_spec == eager_spec and captured_spec >= 2
+    # The speculative decoder sizes its cache once for the whole batch: one attended length, one verify graph.
+    assert graphed_spec == eager_spec and captured_spec >= 1
     # flash-linear-attention's chunked kernels (a hybrid's prefill and verify) take float32 dots in TF32, its
     # one-token kernel does not: speculative and plain output may then part at a near-tie. The hybrid's rollback
     # is checked on the GPU against transformers within rounding instead (test_hybrid_decoding.py).

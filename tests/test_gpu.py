@@ -138,7 +138,9 @@ def test_gpu_step_has_no_recompiles_after_the_first_shapes(tmp_path):
     target = save_tiny_target(tmp_path / "target")
     shards = write_counting_shards(tmp_path / "shards", num_samples=96)
     recipe = write_recipe(tmp_path / "r.yaml", tmp_path / "run", target, shards, train={"max_steps": 12})
-    trainer = Trainer(load_config(recipe, ["target.device=cuda"]), log=lambda _: None)
+    # Buckets finer than the GPU default (128 tokens, 16 anchors), so that these short rows meet several shapes.
+    overrides = ["target.device=cuda", "data.seq_multiple=16", "data.anchor_multiple=4"]
+    trainer = Trainer(load_config(recipe, overrides), log=lambda _: None)
     trainer.start_log_window()
     shapes, compiled_at = [], []
     for work in trainer._step_groups():

@@ -147,3 +147,16 @@ def test_malformed_jsonl_prompt_names_file_and_line(tmp_path, line, message):
 def test_missing_jsonl_file(tmp_path):
     with pytest.raises(PromptSetError, match="prompt file not found"):
         load_prompt_set(str(tmp_path / "absent.jsonl"))
+
+
+@pytest.mark.parametrize("suffix", [".jsonl", ".jsonl.gz"])
+def test_an_exported_set_reads_back_as_the_same_prompts_and_as_regeneration_input(tmp_path, suffix):
+    from dflash_trainer.target.regenerate import load_conversations
+
+    original = load_prompt_set("gsm8k", split="test", limit=7)
+    path = tmp_path / f"exported{suffix}"
+    prompts.main(["gsm8k", "--export", str(path), "--split", "test", "--limit", "7"])
+    again = load_prompt_set(str(path), split="train")
+    assert [(p.id, p.messages) for p in again] == [(p.id, p.messages) for p in original]
+    conversations = load_conversations(path)
+    assert [(c.id, c.messages) for c in conversations] == [(p.id, p.messages) for p in original]

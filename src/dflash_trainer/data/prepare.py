@@ -19,6 +19,7 @@ everything succeeded (ShardWriter writes to a temporary directory and renames it
 
 from __future__ import annotations
 
+import gzip
 import hashlib
 import json
 from collections import Counter
@@ -116,7 +117,7 @@ def read_chat_records(
 
 def _jsonl_records(path: Path, *, on_invalid: Callable[[PrepareError], None] | None) -> Iterator[tuple[int, Any]]:
     # Lines are decoded one by one so that a bad byte is reported with its line instead of ending the file.
-    with path.open("rb") as f:
+    with gzip.open(path, "rb") if path.suffix == ".gz" else path.open("rb") as f:
         for line_no, raw in enumerate(f, start=1):
             try:
                 text = raw.decode("utf-8")

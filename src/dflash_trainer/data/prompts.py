@@ -23,6 +23,8 @@ source after caps, exclusions and de-duplication).
 from __future__ import annotations
 
 import argparse
+import gzip
+import json
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -280,13 +282,40 @@ def _load_jsonl(path: Path) -> list[Prompt]:
     return prompts
 
 
+def export_prompts(prompts: list[Prompt], path: Path) -> int:
+    """Write `prompts` as chat JSONL records `{"id", "messages"}` (gzip when `path` ends in .gz), atomically."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    opener = gzip.open if path.suffix == ".gz" else open
+    with opener(tmp, "wt", encoding="utf-8") as f:
+        for prompt in prompts:
+            f.write(json.dumps({"id": prompt.id, "messages": prompt.messages}, ensure_ascii=False) + "\n")
+    tmp.replace(path)
+    return len(prompts)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
         prog="python -m dflash_trainer.data.prompts", description="List prompt sets, or summarise a mixture."
     )
     parser.add_argument("name", nargs="?", help=f"a mixture ({', '.join(MIXTURES)}) to build or load and summarise")
     parser.add_argument("--tasks", action="store_true", help="also list the prompts per source and sub-task")
+    parser.add_argument(
+        "--export",
+        type=Path,
+        metavar="FILE",
+        help="write the set's prompts as chat JSONL (`{id, messages}`; .gz compresses), e.g. to copy a built mixture "
+        "to an offline machine that lacks the data packages; the file is a prompt source anywhere a set name is",
+    )
+    parser.add_argument("--split", default="train", choices=SPLITS, help="with --export: the split (default train)")
+    parser.add_argument("--limit", type=int, default=None, help="with --export: the first N prompts")
     args = parser.parse_args(argv)
+    if args.export is not None:
+        if args.name is None:
+            parser.error("--export needs a prompt-set or mixture name")
+        count = export_prompts(load_prompt_set(args.name, split=args.split, limit=args.limit), args.export)
+        print(f"{args.name}:{args.split}: {count:,} prompts -> {args.export}")
+        return
     if args.name is None:
         for name, description in list_prompt_sets().items():
             print(f"{name:15} {description}")

@@ -61,7 +61,8 @@ def static_cache_attention(
     folded_mask = attention_mask.unsqueeze(2).expand(rows, 1, groups, length, keys_per_row)
     folded_mask = folded_mask.reshape(rows, 1, groups * length, keys_per_row)  # [k, 1, G*T, S]
     out = F.scaled_dot_product_attention(folded_query, key, value, attn_mask=folded_mask, scale=scaling)
-    out = out.view(rows, q_heads, length, dim)  # [k, Hq, T, D]
+    # reshape, not view: the CUDA kernels may return the folded output with other strides than CPU SDPA does.
+    out = out.reshape(rows, q_heads, length, dim)  # [k, Hq, T, D]
     return out.transpose(1, 2).contiguous(), None
 
 
