@@ -7,6 +7,9 @@ Settings (random targets built on the device, so no weights are needed):
   tokens, block 16, 5 drafter layers, up to 512 anchors per document) on bench.py's GSM8K-like documents (150-700
   tokens, the first 20-45% an unsupervised prompt);
 - `paper`: recipes/bench-qwen3-8b.yaml (a Qwen3-8B-shaped target, packed 8192-token rows of 3072 + 3072 + 2048);
+- `hybrid27b`: the same rows and drafter with a Qwen3.6-27B-shaped hybrid target truncated after its deepest tap
+  (hybrid_bench.py: `QWEN36_27B_TRUNCATED`, data labels); its linear-attention layers run flash-linear-attention's
+  kernels when `fla` is importable (disagg_bench.sh: `FLA_SITE`), else transformers' PyTorch fallbacks;
 - `tiny`: a 12-layer toy for checking this script on CPU (gloo).
 
 Each run writes metrics.jsonl as training does; throughput is the median over log windows after the first
@@ -33,6 +36,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from hybrid_bench import HYBRID_OVERRIDES, QWEN36_27B_TRUNCATED
 
 from dflash_trainer.bench import (
     QWEN3_8B,
@@ -100,6 +104,15 @@ RUNS = {
         steps=14,
         log_every=2,
         skip=3,
+    ),
+    "hybrid27b": Run(
+        recipe="recipes/bench-qwen3-8b.yaml",
+        setting=Setting(QWEN36_27B_TRUNCATED, paper_documents),
+        groups=30,
+        steps=10,
+        log_every=2,
+        skip=2,
+        overrides=HYBRID_OVERRIDES,
     ),
     "tiny": Run(
         recipe="recipes/bench-smollm2.yaml",

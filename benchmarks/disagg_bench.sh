@@ -4,7 +4,9 @@
 # in-flight depth, verdict. Real short training runs on synthetic shards (benchmarks/disagg_bench.py says how).
 #
 # Usage on the 2-GPU machine, from the repo root:  bash benchmarks/disagg_bench.sh   (about 4 minutes)
-#   SETTINGS=smollm2      only one setting (default smollm2,paper)
+#   SETTINGS=smollm2      only one setting (default smollm2,paper; also hybrid27b: a 27B hybrid target)
+#   FLA_SITE=DIR          a directory holding flash-linear-attention (`fla`) for the hybrid's kernels
+#                         (benchmarks/hybrid_bench.py installs the .whl/ wheels into /tmp/hybrid_bench_fla)
 #   COMPILE=1             compile the drafter layers and the loss as the recipes do (about 30 s more per run)
 #   DFLASH_PROFILE_INTERVAL=10   also print the per-stage profile with its verdict (slows the steps)
 # Prints one table; JSON per run and summary.json under $OUT (default /tmp/disagg_bench).
@@ -15,7 +17,7 @@ DATA=${DATA:-/tmp/disagg_bench_data}
 mkdir -p "$OUT"
 # NVLink multicast stays off in every process (see the device notes).
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 OMP_NUM_THREADS=4
+export PYTHONPATH=$PWD/src${FLA_SITE:+:$FLA_SITE} PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 OMP_NUM_THREADS=4
 EXTRA=()
 if [ "${COMPILE:-0}" = 1 ]; then EXTRA+=(--compile); fi
 

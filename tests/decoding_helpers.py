@@ -1,4 +1,5 @@
-"""Shared by the decoding tests (engine, speculative decoding, regeneration)."""
+"""Shared by the decoding tests (engine, speculative decoding, regeneration): seeded builds, a tiny hybrid target,
+transformers' greedy reference, a CPU stand-in for CUDA-graph capture."""
 
 from __future__ import annotations
 
@@ -7,6 +8,10 @@ from typing import TypeVar
 
 import pytest
 import torch
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+from transformers.models.qwen3_5 import Qwen3_5ForCausalLM, Qwen3_5TextConfig
+
+from dflash_trainer.target.loader import LoadedTarget
 
 T = TypeVar("T")
 
@@ -25,3 +30,75 @@ def one_thread() -> Iterator[None]:
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(previous)
+
+
+def cpu_target(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, name: str) -> LoadedTarget:
+    """`model` (float32, on the CPU) as a loaded target whose stop token is `<|im_end|>` (id 2)."""
+    return LoadedTarget(
+        model=model,
+        tokenizer=tokenizer,
+        config=model.config,
+        name=name,
+        stop_token_ids=[2],
+        device=torch.device("cpu"),
+        dtype=torch.float32,
+    )
+
+
+def hf_greedy(model: PreTrainedModel, prompt: list[int], max_new_tokens: int, stops: list[int]) -> list[int]:
+    """transformers' greedy `generate` of one prompt: its new tokens, cut after the first stop token."""
+    with torch.no_grad():
+        output = model.generate(
+            torch.tensor([prompt]),
+            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            eos_token_id=stops,
+            pad_token_id=0,
+        )
+    new = output[0, len(prompt) :].tolist()
+    return next((new[: i + 1] for i, token in enumerate(new) if token in stops), new)
+
+
+def warm_up_then_run(graphs: object, key: object, step: Callable[[], None], state: list[torch.Tensor]) -> None:
+    """Stands in for `StepGraphs.run` on CPU: what a capture does (warm-up run, state restored, then the real run),
+    so a test sees whether running every step twice that way changes anything."""
+    saved = [tensor.clone() for tensor in state]
+    step()
+    for tensor, value in zip(state, saved, strict=True):
+        tensor.copy_(value)
+    step()
+
+
+# A tiny Qwen3.5-style hybrid: 5 layers (linear, full, linear, linear, full attention), vocab == hidden.
+HYBRID_DIMS = dict(
+    vocab_size=64,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=5,
+    layer_types=["linear_attention", "full_attention", "linear_attention", "linear_attention", "full_attention"],
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    linear_key_head_dim=16,
+    linear_value_head_dim=16,
+    linear_num_key_heads=2,
+    linear_num_value_heads=4,
+    max_position_embeddings=512,
+    initializer_range=0.2,  # varied, well-separated logits
+    tie_word_embeddings=False,
+    attn_implementation="sdpa",
+)
+
+
+def hybrid_target(seed: int = 2, *, orthogonal_head: bool = False) -> Qwen3_5ForCausalLM:
+    """The tiny hybrid in float32. `orthogonal_head`: the LM head is an orthogonal matrix x 4 (V == H), so the
+    hidden state head[t] / 4 scores token t alone (a test drafter can propose the tokens it wants)."""
+    config = Qwen3_5TextConfig(**HYBRID_DIMS)
+    model = seeded(lambda: Qwen3_5ForCausalLM(config).eval(), seed)
+    if orthogonal_head:
+        with torch.no_grad(), torch.random.fork_rng():
+            torch.manual_seed(seed + 100)
+            q, _ = torch.linalg.qr(torch.randn(config.vocab_size, config.hidden_size))
+            model.lm_head.weight.copy_(q * 4.0)
+    return model

@@ -6,6 +6,7 @@ Speculative decoding on top of the engine is tested in test_speculative.py, rege
 
 from __future__ import annotations
 
+import sys
 from functools import partial
 
 import pytest
@@ -20,7 +21,7 @@ from transformers import (
     Qwen3ForCausalLM,
 )
 
-from decoding_helpers import one_thread, seeded  # noqa: F401 (one_thread: autouse fixture)
+from decoding_helpers import hf_greedy, hybrid_target, one_thread, seeded, warm_up_then_run  # noqa: F401 (one_thread: autouse fixture)
 from dflash_trainer.decoding.batch import BatchDecoder, Request, RequestQueue
 from dflash_trainer.decoding.cache import UnsupportedTargetError
 from dflash_trainer.decoding.graphs import StepGraphs
@@ -88,27 +89,11 @@ def test_static_cache_forward_equals_transformers(name):
         position += torch.tensor([1, 2, 3])  # keep 1, 2 or 3 of the block: the rest is rolled back
 
 
-def test_hybrid_and_unknown_targets_are_refused(tiny_qwen3_5):
-    with pytest.raises(UnsupportedTargetError, match="linear-attention"):
-        TargetRunner(tiny_qwen3_5)
+def test_unknown_targets_are_refused():
     model = build_target("llama")
     model.config.model_type = "mystery"
     with pytest.raises(UnsupportedTargetError, match="mystery"):
         TargetRunner(model)
-
-
-def _hf_greedy(model: PreTrainedModel, prompt: list[int], max_new_tokens: int, stops: list[int]) -> list[int]:
-    with torch.no_grad():
-        output = model.generate(
-            torch.tensor([prompt]),
-            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-            max_new_tokens=max_new_tokens,
-            do_sample=False,
-            eos_token_id=stops,
-            pad_token_id=0,
-        )
-    new = output[0, len(prompt) :].tolist()
-    return next((new[: i + 1] for i, token in enumerate(new) if token in stops), new)
 
 
 def _decode(decoder: BatchDecoder, requests: list[Request]) -> dict:
@@ -121,11 +106,11 @@ def test_continuous_batching_equals_generate(name):
     on a stop token, others cut at max_new_tokens; greedy tokens equal transformers' `generate`."""
     model = build_target(name)
     prompts = [seeded(lambda n=n: torch.randint(0, VOCAB, (n,)).tolist(), n) for n in (3, 9, 5, 14, 7, 2, 11)]
-    references = [_hf_greedy(model, p, 20, []) for p in prompts]
+    references = [hf_greedy(model, p, 20, []) for p in prompts]
     # Stop ids that end some replies midway: tokens that first appear at index >= 3 of some reference.
     stops = sorted({ref[6] for ref in references[:3] if ref[6] not in ref[:6]})
     assert stops
-    references = [_hf_greedy(model, p, 20, stops) for p in prompts]
+    references = [hf_greedy(model, p, 20, stops) for p in prompts]
     assert {len(r) < 20 for r in references} == {True, False}
     requests = [Request(i, p) for i, p in enumerate(prompts)]
     for sync_every in (1, 3):
@@ -143,8 +128,8 @@ def test_cache_grows_under_a_running_row():
     every reply still equals `generate`."""
     model = build_target("qwen3")
     short, other, long = [1, 2, 3], [4, 5, 6, 7], list(range(1, 60)) * 3
-    free_running = [_hf_greedy(model, p, 8, []) for p in (other, long)]
-    first = _hf_greedy(model, short, 8, [])
+    free_running = [hf_greedy(model, p, 8, []) for p in (other, long)]
+    first = hf_greedy(model, short, 8, [])
     stop = next(t for t in first[1:5] if all(t not in r for r in free_running))  # ends `short` early
     decoder = BatchDecoder(TargetRunner(model), rows=2, max_new_tokens=8, stop_token_ids=[stop])
     queue = RequestQueue([Request("short", short), Request("other", other)])
@@ -155,7 +140,7 @@ def test_cache_grows_under_a_running_row():
             queue.push(Request("long", long))
     assert decoder.stats.max_len_growths and decoder.cache.max_len >= len(long) + 8
     assert got == {
-        "short": _hf_greedy(model, short, 8, [stop]),
+        "short": hf_greedy(model, short, 8, [stop]),
         "other": free_running[0],
         "long": free_running[1],
     }
@@ -228,13 +213,6 @@ def test_warm_up_before_capture_changes_nothing(monkeypatch):
 
     reference = run_all()
 
-    def warm_up_then_run(self, key, step, state):
-        saved = [tensor.clone() for tensor in state]
-        step()
-        for tensor, value in zip(state, saved, strict=True):
-            tensor.copy_(value)
-        step()
-
     monkeypatch.setattr(StepGraphs, "run", warm_up_then_run)
     assert run_all() == reference
 
@@ -273,10 +251,12 @@ def test_steps_trace_without_graph_breaks():
 @pytest.mark.parametrize(
     "sampling", [SamplingParams(), SamplingParams(temperature=1.0, top_p=0.9)], ids=["greedy", "top-p"]
 )
-def test_cuda_graph_steps_equal_eager_steps(sampling):
+@pytest.mark.parametrize("name", ["qwen3-sliding", "qwen3_5-hybrid"])
+def test_cuda_graph_steps_equal_eager_steps(name, sampling):
     """Captured and replayed decode / verify steps (with refills, cache growth and several attended lengths)
-    give exactly the tokens of the same steps run eagerly, in float32 on the GPU."""
-    model = build_target("qwen3-sliding").cuda()
+    give exactly the tokens of the same steps run eagerly, in float32 on the GPU. The hybrid's linear-attention
+    layers run flash-linear-attention's kernels when transformers found `fla`, else its PyTorch fallbacks."""
+    model = (hybrid_target() if name == "qwen3_5-hybrid" else build_target(name)).cuda()
     prompts = [seeded(lambda n=n: torch.randint(0, VOCAB, (n,)).tolist(), n) for n in (3, 9, 5, 140, 7, 2, 11)]
 
     def decode(use_graphs: bool) -> tuple[dict, int]:
@@ -322,4 +302,8 @@ def test_cuda_graph_steps_equal_eager_steps(sampling):
     (eager_spec, _), (graphed_spec, captured_spec) = speculate(False), speculate(True)
     # The speculative decoder sizes its cache once for the whole batch: one attended length, one verify graph.
     assert graphed_spec == eager_spec and captured_spec >= 1
-    assert [out for out, _ in eager_spec] == [eager[i][0] for i in range(len(prompts))]
+    # flash-linear-attention's chunked kernels (a hybrid's prefill and verify) take float32 dots in TF32, its
+    # one-token kernel does not: speculative and plain output may then part at a near-tie. The hybrid's rollback
+    # is checked on the GPU against transformers within rounding instead (test_hybrid_decoding.py).
+    if not (name == "qwen3_5-hybrid" and sys.modules.get("fla") is not None):
+        assert [out for out, _ in eager_spec] == [eager[i][0] for i in range(len(prompts))]

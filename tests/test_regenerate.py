@@ -1,5 +1,6 @@
 """Regenerating assistant turns with the target: exact greedy replies, multi-turn order, replies cut at
-max_new_tokens kept open or dropped, resume after a crash mid-batch, the transformers fallback."""
+max_new_tokens kept open or dropped, resume after a crash mid-batch, the transformers fallback, a hybrid (linear
+attention) target through the engine."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from decoding_helpers import one_thread  # noqa: F401 (autouse fixture)
+from decoding_helpers import cpu_target, one_thread  # noqa: F401 (one_thread: autouse fixture)
 from dflash_trainer.data.chat import tokenize_conversation
 from dflash_trainer.data.prepare import prepare
 from dflash_trainer.data.shards import load_shards
@@ -266,25 +267,18 @@ def test_long_prompts_are_left_out_and_counted(target, tmp_path):
     assert summary.dropped == {"prompt_too_long": 1} and [r["index"] for r in _read_output(tmp_path / "out")] == [0]
 
 
-def test_hybrid_target_falls_back_to_transformers_generate(tiny_qwen3_5, tiny_chat_tokenizer, tmp_path):
-    target = LoadedTarget(
-        model=tiny_qwen3_5.float(),
-        tokenizer=tiny_chat_tokenizer,
-        config=tiny_qwen3_5.config,
-        name="tiny-hybrid",
-        stop_token_ids=[2],
-        device=torch.device("cpu"),
-        dtype=torch.float32,
-    )
+def test_hybrid_target_regenerates_through_the_engine(tiny_qwen3_5, tiny_chat_tokenizer, tmp_path):
+    """Linear-attention layers keep per-row recurrent states in the engine: with two rows, refilled as replies
+    finish, every reply equals the hybrid's own greedy `generate`."""
+    target = cpu_target(tiny_qwen3_5, tiny_chat_tokenizer, "tiny-hybrid")
     summary = regenerate(
-        [[{"role": "user", "content": "w1 w2"}]],
-        target,
-        tmp_path / "out",
-        max_new_tokens=3,
-        batch_size=2,
-        progress=False,
+        CONVERSATIONS, target, tmp_path / "out", max_new_tokens=MAX_NEW_TOKENS, batch_size=2, progress=False
     )
-    assert summary.engine == "transformers generate" and summary.records == 1
+    assert summary.engine == "the decoding engine"
+    expected = [_expected_conversation(target, _messages(item)) for item in CONVERSATIONS]
+    written = _read_output(tmp_path / "out")
+    assert [record["index"] for record in written] == [i for i, value in enumerate(expected) if value is not None]
+    assert [record["messages"] for record in written] == [value for value in expected if value is not None]
 
 
 def test_jsonl_input_layouts_and_errors(target, tmp_path):

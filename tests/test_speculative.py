@@ -10,7 +10,6 @@ import pytest
 import torch
 from torch import Tensor
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedModel, Qwen3Config, Qwen3ForCausalLM
-from transformers.models.qwen3_5 import Qwen3_5ForCausalLM, Qwen3_5TextConfig
 
 from decoding_helpers import one_thread, seeded  # noqa: F401 (one_thread: autouse fixture)
 from dflash_trainer.data.prompts import Prompt, load_prompt_set
@@ -349,26 +348,6 @@ def test_sliding_window_target_is_lossless():
     result = speculative_generate(target, oracle, ids, max_new_tokens=40, stop_token_ids=[])
     assert result.output_ids == reference
     assert len(set(result.accepted_lengths)) > 1
-
-
-def test_hybrid_linear_attention_target_is_refused():
-    config = Qwen3_5TextConfig(
-        layer_types=["linear_attention", "full_attention", "linear_attention", "full_attention"],
-        linear_key_head_dim=16,
-        linear_value_head_dim=16,
-        linear_num_key_heads=2,
-        linear_num_value_heads=4,
-        attn_implementation="sdpa",
-        **{**DIMS, "num_hidden_layers": 4},
-    )
-    target = seeded(lambda: Qwen3_5ForCausalLM(config).eval(), 2)
-    drafter = DFlashDrafter(
-        DrafterModelConfig.from_target(
-            config, num_layers=1, block_size=4, mask_token_id=VOCAB - 1, num_target_features=1
-        )
-    )
-    with pytest.raises(NotImplementedError, match="linear-attention"):
-        speculative_generate(target, drafter, prompt_ids(), max_new_tokens=8, stop_token_ids=[])
 
 
 def test_sampling_is_reproducible_and_equals_plain_sampling():

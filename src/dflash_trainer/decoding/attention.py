@@ -15,7 +15,7 @@ the query length, `[k, Hkv, G*T, D]`, and repeats the mask G times along the que
 head once instead of materialising the KV buffers G times (`repeat_kv`), and the mask stays `[k, 1, G*T, S]`.
 transformers orders query heads by KV group (head h uses KV head h // G), which is what the fold assumes.
 
-`engine_attention(layers)` switches the layers' config to this function for the duration of a forward (or a
+`engine_attention(modules)` switches the attention modules' config to this function for the duration of a forward (or a
 CUDA-graph capture: replays run no Python) and restores the previous implementation afterwards.
 """
 
@@ -93,9 +93,9 @@ def layer_masks(
 
 
 @contextmanager
-def engine_attention(layers: nn.ModuleList) -> Iterator[None]:
-    """Route the layers' attention through `static_cache_attention` inside the block."""
-    configs = list({id(layer.self_attn.config): layer.self_attn.config for layer in layers}.values())
+def engine_attention(modules: Sequence[nn.Module]) -> Iterator[None]:
+    """Route the attention modules' attention through `static_cache_attention` inside the block."""
+    configs = list({id(module.config): module.config for module in modules}.values())
     previous = [config._attn_implementation for config in configs]
     for config in configs:
         config._attn_implementation = ENGINE_ATTENTION

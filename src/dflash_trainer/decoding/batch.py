@@ -17,7 +17,10 @@
   `prefill_tokens` tokens), their first token chosen, and their rows armed. Prefill runs eagerly: prompts vary.
   Requests may be pushed while `generate` runs (a follow-up turn after its previous turn completed).
 - Capacity. `max_len` grows (a new cache, contents copied, graphs recaptured) when a request needs more than
-  `prompt + max_new_tokens` positions than the cache has; `memory_budget` bounds rows x max_len on the GPU.
+  `prompt + max_new_tokens` positions than the cache has; `memory_budget` bounds rows x max_len on the GPU
+  (with the per-row recurrent states of a hybrid target, twice when CUDA graphs are captured).
+- Hybrid targets (linear-attention layers): a prefill writes the refilled rows' recurrent states from zero
+  (`recurrent.py`), so a row never inherits its previous request's state; decode steps advance every row's state.
 
 Output contract: for each request, the new tokens up to and including the first stop token (or exactly
 `max_new_tokens` tokens without one), and whether a stop token ended it. Greedy output equals transformers'
@@ -161,7 +164,10 @@ class BatchDecoder:
     def _checked_len(self, max_len: int) -> int:
         max_len = round_up(max(max_len, 1), KV_BUCKET)
         if self.memory_budget is not None:
-            needed = self.rows * max_len * self.runner.cache_bytes_per_token()
+            # Recurrent states (hybrid targets) are per row; a CUDA-graph capture holds a second copy of them.
+            state_copies = 2 if self.graphs.enabled else 1
+            per_row = max_len * self.runner.cache_bytes_per_token() + state_copies * self.runner.state_bytes_per_row()
+            needed = self.rows * per_row
             if needed > self.memory_budget:
                 raise CacheBudgetError(
                     f"a KV cache of {self.rows} rows x {max_len} positions needs {needed / 2**30:.1f} GiB, over the "
@@ -175,13 +181,11 @@ class BatchDecoder:
             return
         fresh = self.stats.prefills == 0  # nothing cached yet: size it, nothing to copy
         new_len = self._checked_len(needed if fresh else max(needed, self.cache.max_len * 3 // 2))
-        grown = self.runner.new_cache(self.rows, new_len)
-        if not fresh:
-            old_len = self.cache.max_len
-            for old, new in zip((*self.cache.keys, *self.cache.values), (*grown.keys, *grown.values), strict=True):
-                new[:, :, :old_len].copy_(old)
+        if fresh:
+            self.cache = self.runner.new_cache(self.rows, new_len)
+        else:
+            self.cache = self.cache.resized(new_len)
             self.stats.max_len_growths.append(new_len)
-        self.cache = grown
         self.graphs = StepGraphs(self.device, enabled=self.graphs.enabled)
 
     # ------------------------------------------------------------------------------------------------------
@@ -273,7 +277,9 @@ class BatchDecoder:
             longest = max(self._position_bound[row] for row in occupied) + self.sync_every
             kv_len = min(round_up(longest, KV_BUCKET), self.cache.max_len)
             for _ in range(self.sync_every):
-                self.graphs.run(("decode", kv_len), partial(self._decode_step, kv_len), self._state)
+                self.graphs.run(
+                    ("decode", kv_len), partial(self._decode_step, kv_len), [*self._state, *self.cache.state_tensors()]
+                )
             for row in occupied:
                 self._position_bound[row] += self.sync_every
             self.stats.steps += self.sync_every

@@ -7,8 +7,10 @@ replays it: one launch instead of the thousand-odd small kernels of a decoder fo
 decoding speed for small targets. On other devices, or when graphs are disabled, the function simply runs.
 
 Capture protocol (per key): snapshot the step's state tensors; run the step once on a side stream (warm-up:
-cuBLAS workspaces, lazy initialisation); restore the state (the warm-up must not advance anything: it wrote
-cache entries at the positions the real step writes with the same values, which is harmless); capture; replay.
+cuBLAS workspaces, lazy initialisation, Triton autotuning); restore the state (the warm-up must not advance
+anything: it wrote KV cache entries at the positions the real step writes with the same values, which is
+harmless; the recurrent states of a hybrid target change in place whatever the positions, so the callers
+declare them as state, `StaticKVCache.state_tensors`); capture; replay.
 All graphs share one memory pool: they never run concurrently and their outputs live in the static tensors,
 so their temporaries may overlap.
 

@@ -9,7 +9,9 @@ Per row, with n the position of the last committed token (DESIGN §2 "Inference"
               accept a = the longest prefix with d_k == c_{k-1}, capped so that no more than max_new_tokens
               are produced; commit c_0..c_a (= d_1..d_a, c_a), cut after a stop token;
               n += committed; the target cache keeps the entries of n.. as written: the rejected ones lie past
-              the row's new length (`cache.py`), no rollback work;
+              the row's new length (`cache.py`), no rollback work; the recurrent states of a hybrid target's
+              linear-attention layers were left at n by the verify forward and are advanced over the committed
+              tokens (`cache.commit`, `recurrent.py`: one delta-rule kernel call per layer);
               drafter: context += features of the committed slots (all B are handed over, the rest masked),
               block [c_a, MASK...] at the new n -> next drafts
     done      when a stop token was committed or max_new_tokens reached; a done row is frozen.
@@ -23,8 +25,7 @@ plain greedy decoding (in float32; in bf16 a verify block and a one-token step r
 near-tie check in `eval/runner.py`). At temperature > 0 the token chosen at new-token index i uses the noise of
 (request seed, i), exactly as plain sampling does, so the output equals plain sampling with the same seed.
 
-Limits: targets with linear-attention layers are refused (`cache.py`, issue 11). The drafter runs in its own
-parameter dtype (load it in the target's dtype to measure speed).
+The drafter runs in its own parameter dtype (load it in the target's dtype to measure speed).
 """
 
 from __future__ import annotations
@@ -102,7 +103,9 @@ class SpeculativeDecoder:
         while True:
             kv_len = min(round_up(bound + self.sync_every * self.block_size, KV_BUCKET), self.cache.max_len)
             for _ in range(self.sync_every):
-                self.graphs.run(("verify", kv_len), partial(self._step, kv_len), self._state)
+                self.graphs.run(
+                    ("verify", kv_len), partial(self._step, kv_len), [*self._state, *self.cache.state_tensors()]
+                )
             bound += self.sync_every * self.block_size
             # Host sync: stop once every row is done; also tightens the position bound.
             if not bool(self.active.any()):
@@ -158,7 +161,7 @@ class SpeculativeDecoder:
         active = self.active
         positions = self.position[:, None] + self.offsets  # [R, B]
         tokens = torch.cat([self.last[:, None], self.drafts], dim=1)  # [R, B]
-        out = self.runner.forward(self.cache, tokens, positions, kv_len=kv_len)  # logits [R, B, V]
+        out = self.runner.forward(self.cache, tokens, positions, kv_len=kv_len, verify=True)  # logits [R, B, V]
         counters = self.count[:, None] + self.offsets  # new-token index of each slot's choice
         chosen = choose_tokens(out.logits, self.sampling, self.keys, counters)  # [R, B]
 
@@ -169,6 +172,7 @@ class SpeculativeDecoder:
         first_stop = torch.where(is_stop, self.offsets, block).min(dim=1).values  # [R], B when none
         stopped = first_stop < committed
         committed = torch.minimum(committed, first_stop + 1) * active  # 0 for done rows
+        self.cache.commit(committed)  # recurrent states (hybrid targets) advance over the committed tokens
 
         self.output.scatter_(1, counters, torch.where(active[:, None], chosen, self.output.gather(1, counters)))
         step_slot = self.steps.clamp(max=self.max_new_tokens - 1)[:, None]

@@ -12,17 +12,25 @@ RoPE scaling) is their own code; the engine supplies only the cache and the atte
   entries; returns logits `[k, T, V]` and features `[k, T, K*H]`. A step has fixed shapes and no host syncs, so
   it can be captured in a CUDA graph (`graphs.py`).
 
+- verify (step with `verify=True`): as step, but linear-attention layers keep their states until the caller
+  says how many tokens each row keeps (`cache.commit(counts)`, `recurrent.py`).
+
 Taps: the outputs of decoder layers `tap_layers` (the drafter's `target_layer_ids`), concatenated in that order,
 the same definition as training's `FeatureCapture`. All layers run: the logits are needed in every mode.
 
-Supported targets: Llama (SmolLM2), Qwen2 and Qwen3 layouts with full and sliding-window attention
-(`SUPPORTED_MODEL_TYPES`, each tested against transformers). Anything else raises `UnsupportedTargetError`
-(a layout we have not checked could be silently wrong); linear-attention hybrids see `cache.py`.
+Supported targets: Llama (SmolLM2), Qwen2 and Qwen3 layouts with full and sliding-window attention, and Qwen3.5/3.6
+hybrids (`qwen3_5_text`: Gated DeltaNet linear-attention layers beside gated full-attention layers, multimodal RoPE
+given the text position on every axis) (`SUPPORTED_MODEL_TYPES`, each tested against transformers). Anything else
+raises `UnsupportedTargetError` (a layout we have not checked could be silently wrong). The linear-attention
+layers run transformers' own code (and with it flash-linear-attention's kernels where transformers found `fla`);
+their per-row states live in the cache (`recurrent.py`), and their delta-rule kernels are routed through it for
+the duration of a forward (`routed_delta_rules`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -32,8 +40,11 @@ from transformers import PreTrainedModel
 from ..target.capture import decoder_module, embedding_module, lm_head_module
 from .attention import engine_attention, layer_masks
 from .cache import StaticKVCache, UnsupportedTargetError, check_supported_layer_types
+from .recurrent import LinearLayerShape, RecurrentStates, delta_rule_modules, routed_delta_rules
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "qwen3_5_text")
+# Layouts whose linear-attention layers this engine has been checked against (transformers 5.17).
+HYBRID_MODEL_TYPES = ("qwen3_5_text",)
 # RoPE variants whose frequencies depend on the longest position seen: a data-dependent host check per call.
 _DYNAMIC_ROPE_TYPES = ("dynamic", "longrope")
 
@@ -51,11 +62,18 @@ class TargetRunner:
         config = model.config.get_text_config(decoder=True)
         name = type(model).__name__
         layers = decoder_module(model).layers
-        check_supported_layer_types(name, getattr(config, "layer_types", None) or ["full_attention"] * len(layers))
+        layer_types = list(getattr(config, "layer_types", None) or ["full_attention"] * len(layers))
+        check_supported_layer_types(name, layer_types)
         if config.model_type not in SUPPORTED_MODEL_TYPES:
             raise UnsupportedTargetError(
                 f"{name} (model_type {config.model_type!r}): the decoding engine supports "
                 f"{', '.join(SUPPORTED_MODEL_TYPES)} layouts"
+            )
+        linear = [index for index, kind in enumerate(layer_types) if kind == "linear_attention"]
+        if linear and config.model_type not in HYBRID_MODEL_TYPES:
+            raise UnsupportedTargetError(
+                f"{name} (model_type {config.model_type!r}) has linear-attention layers; the decoding engine "
+                f"serves those of {', '.join(HYBRID_MODEL_TYPES)} only"
             )
         for layer_id in tap_layers:
             if not 0 <= layer_id < len(layers):
@@ -66,19 +84,40 @@ class TargetRunner:
         self.embed = embedding_module(model)
         self.lm_head = lm_head_module(model)
         self.tap_layers = list(tap_layers)
-        self.layer_windows = [getattr(layer.self_attn, "sliding_window", None) for layer in layers]
+        self.linear_shapes = {index: LinearLayerShape.of(layers[index].linear_attn) for index in linear}
+        self.attention_layers = [index for index in range(len(layers)) if index not in self.linear_shapes]
+        self.delta_rule_modules = delta_rule_modules([layers[index].linear_attn for index in linear])
+        self.attention_modules = [layers[index].self_attn for index in self.attention_layers]
+        # Attention window per layer (None: full attention; linear-attention layers take no mask).
+        self.layer_windows = [
+            None if index in self.linear_shapes else getattr(layer.self_attn, "sliding_window", None)
+            for index, layer in enumerate(layers)
+        ]
         self.kv_heads = int(config.num_key_value_heads)
-        self.head_dim = int(layers[0].self_attn.head_dim)
+        self.head_dim = int(self.attention_modules[0].head_dim)
         self.hidden_size = int(config.hidden_size)
         self.vocab_size = int(self.lm_head.weight.shape[0])
         self.dtype = self.embed.weight.dtype
         self.device = self.embed.weight.device
-        rope_type = str(getattr(self.decoder.rotary_emb, "rope_type", "default"))
+        rotary = self.decoder.rotary_emb
+        # Multimodal RoPE (Qwen3.5) takes a position per axis; text has the same position on every axis.
+        self.rope_axes = len(rotary.mrope_section) if getattr(rotary, "mrope_section", None) is not None else 0
+        rope_type = str(getattr(rotary, "rope_type", "default"))
         # Dynamic RoPE re-derives its frequencies from max(position) on the host: no CUDA graphs then.
         self.graph_safe = not any(kind in rope_type for kind in _DYNAMIC_ROPE_TYPES)
 
+    @property
+    def hybrid(self) -> bool:
+        return bool(self.linear_shapes)
+
     def new_cache(self, rows: int, max_len: int) -> StaticKVCache:
+        recurrent = None
+        if self.hybrid:
+            recurrent = RecurrentStates(
+                self.linear_shapes, num_layers=len(self.layers), rows=rows, dtype=self.dtype, device=self.device
+            )
         return StaticKVCache(
+            attention_layers=self.attention_layers,
             num_layers=len(self.layers),
             rows=rows,
             kv_heads=self.kv_heads,
@@ -86,11 +125,16 @@ class TargetRunner:
             head_dim=self.head_dim,
             dtype=self.dtype,
             device=self.device,
+            recurrent=recurrent,
         )
 
     def cache_bytes_per_token(self) -> int:
-        """Bytes of keys and values per cached token (all layers)."""
-        return 2 * len(self.layers) * self.kv_heads * self.head_dim * self.embed.weight.element_size()
+        """Bytes of keys and values per cached token (all attention layers)."""
+        return 2 * len(self.attention_layers) * self.kv_heads * self.head_dim * self.embed.weight.element_size()
+
+    def state_bytes_per_row(self) -> int:
+        """Bytes of recurrent state per row (linear-attention layers; independent of the length)."""
+        return RecurrentStates.bytes_per_row(self.linear_shapes, self.dtype)
 
     @torch.inference_mode()
     def forward(
@@ -102,6 +146,7 @@ class TargetRunner:
         rows: Tensor | None = None,  # [k] cache rows (prefill); None = every row in order (step)
         kv_len: int | None = None,  # step: cache entries attended to; None = prefill
         last_index: Tensor | None = None,  # [k] prefill: index of each row's last prompt token
+        verify: bool = False,  # step: recurrent states wait for `cache.commit`
     ) -> ForwardOutput:
         if (kv_len is None) != (last_index is not None):
             raise ValueError("prefill passes last_index and no kv_len; a step passes kv_len")
@@ -110,16 +155,22 @@ class TargetRunner:
             if count != cache.rows:
                 raise ValueError(f"a step covers every cache row: {count} rows given, the cache has {cache.rows}")
             rows = torch.arange(count, device=input_ids.device)
-        cache.begin(rows=rows, positions=positions, kv_len=kv_len)
+        lengths = last_index + 1 if last_index is not None else None
+        cache.begin(rows=rows, positions=positions, kv_len=kv_len, lengths=lengths, verify=verify)
         hidden = self.embed(input_ids)  # [k, T, H]
-        position_embeddings = self.decoder.rotary_emb(hidden, positions)  # cos, sin [k, T, D]
-        masks = layer_masks(self.layer_windows, positions, kv_len)
+        rope_positions = positions[None].expand(self.rope_axes, -1, -1) if self.rope_axes else positions
+        position_embeddings = self.decoder.rotary_emb(hidden, rope_positions)  # cos, sin [k, T, D]
+        windows = [self.layer_windows[index] for index in self.attention_layers]
+        masks = layer_masks(windows, positions, kv_len)
         taps: dict[int, Tensor] = {}
-        with engine_attention(self.layers):
+        routing = routed_delta_rules(self.delta_rule_modules, cache.recurrent) if self.hybrid else nullcontext()
+        with engine_attention(self.attention_modules), routing:
             for index, layer in enumerate(self.layers):
+                cache.enter_layer(index)
+                linear = index in self.linear_shapes
                 output = layer(
                     hidden,
-                    attention_mask=masks[self.layer_windows[index]],
+                    attention_mask=None if linear else masks[self.layer_windows[index]],
                     position_ids=positions,
                     past_key_values=cache,
                     use_cache=True,

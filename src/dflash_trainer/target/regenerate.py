@@ -12,7 +12,8 @@ next turn queued as soon as its previous turn is done. Other engines, same promp
 - `vllm`, chosen by `auto` when vLLM is installed and the target is a local directory on a GPU. This path has
   never been run by this project (vLLM is not installed where we test): treat it as untested;
 - `hf`, transformers `generate` in length-sorted batches of `batch_size`: the fallback `auto` picks for targets
-  the engine does not support (linear-attention hybrids, unknown layouts). With sampling its draws depend on
+  the engine does not support (layouts it has not been checked against; Qwen3.5/3.6 linear-attention hybrids
+  run on the engine, `decoding/recurrent.py`). With sampling its draws depend on
   the batch a prompt lands in, so an interrupted sampled run does not reproduce an uninterrupted one there.
 With the engine, greedy replies equal transformers' `generate` and sampled ones depend only on (`seed`,
 record, turn, token index) (`decoding/sampling.py`), so a resumed run writes what an uninterrupted one would.

@@ -1,0 +1,341 @@
+"""A 27B hybrid target (Qwen3.6-27B's shape, random weights) on one GPU, with flash-linear-attention's kernels and
+with transformers' PyTorch fallbacks: the target forward over packed rows, a training step, the decoding engine.
+
+Run from the repository root on the GPU machine (about 3 minutes on one H200):
+
+    PYTHONPATH=src python3 benchmarks/hybrid_bench.py        # table on stdout, JSON to $OUT/hybrid_bench.json
+
+flash-linear-attention: transformers 5.17 binds `fla.ops.gated_delta_rule.{chunk,fused_recurrent}_gated_delta_rule`
+when it imports its Qwen3.5 modeling module, if `import fla` succeeds then (no version check there; no hub, no
+`kernels` package needed), and its PyTorch fallbacks otherwise, silently except for a logged warning. So the two
+runs are two child processes: `fla` with the wheels installed into a private directory on its path (`fla-core` and
+`einops` from `--wheels`, default `.whl/`, installed with pip `--no-deps --no-index` when `fla` is not importable
+already), `torch` with `fla` made unimportable. Each child checks which implementation transformers bound. (So
+torch, transformers and this package are imported inside the child's functions, after that choice.)
+
+Target: Qwen3.6-27B's text decoder (`QWEN36_27B`; the same layout as Qwen3.5-27B): 64 layers, three Gated DeltaNet
+layers then one gated full-attention layer, repeated (48 + 16); hidden 5120, MLP 17408, vocab 248320; attention
+24 heads, 4 KV heads, head dim 256, partial RoPE 0.25, theta 1e7; linear attention 16 key heads and 48 value heads
+of 128, convolution kernel 4. Sources: the `text_config` of Qwen/Qwen3.6-27B's config.json (as embedded verbatim
+in a public repository's test file, found through code search), and the Qwen3.5-27B model cards that give the same
+numbers (64 layers, 3:1 pattern, 24 Q / 4 KV heads, head dim 256, MLP 17408, hidden 5120, vocab 248K). Taps
+[1, 16, 31, 46, 61] (the default spread over 64 layers); the model is truncated after the deepest tap: layers
+0..62 are built (26.5B parameters in bf16, 53 GB); layer 62 never runs in training (the drafter config refuses a
+tap on a target's last layer, hence one layer beyond the tap).
+
+Phases (each child):
+- `forward`: `FeatureCapture.capture` of one packed 8192-token row of documents 3072 + 3072 + 2048 (the per-document
+  path: every document a row of its own, stopping after layer 61), median of timed calls: target tokens/s;
+- `train`: the trainer's end-to-end step in the paper setting (`recipes/bench-qwen3-8b.yaml`: drafter 5 layers,
+  block 16, 455 anchors per document) with data labels (the LM head is not needed, so the target stops after the
+  deepest tap) through `bench.time_steps`: median step, target tokens/s, MFU, peak memory. The drafter layers and
+  the loss run eagerly (compiling them costs each child about 25 s of the 3 minutes; `--compile` to do it);
+- `decode`: the decoding engine on `--rows` prompts of 512 random tokens: plain decoding (CUDA graphs) and
+  speculative decoding with a random 5-layer block-16 drafter (tau about 1): ms per decode step and per verify
+  step (the verify/decode ratio is the tau a drafter must beat to speed decoding up), and whether the speculative
+  output equals the plain one (bf16: near-ties may differ).
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+LINEAR, FULL = "linear_attention", "full_attention"
+QWEN36_27B = dict(
+    model_type="qwen3_5_text",
+    vocab_size=248320,
+    hidden_size=5120,
+    intermediate_size=17408,
+    num_hidden_layers=64,
+    layer_types=[LINEAR, LINEAR, LINEAR, FULL] * 16,
+    num_attention_heads=24,
+    num_key_value_heads=4,
+    head_dim=256,
+    linear_num_key_heads=16,
+    linear_num_value_heads=48,
+    linear_key_head_dim=128,
+    linear_value_head_dim=128,
+    linear_conv_kernel_dim=4,
+    max_position_embeddings=262144,
+    rms_norm_eps=1e-6,
+    rope_parameters={
+        "rope_type": "default",
+        "rope_theta": 10_000_000,
+        "partial_rotary_factor": 0.25,
+        "mrope_section": [11, 11, 10],
+        "mrope_interleaved": True,
+    },
+    tie_word_embeddings=False,
+)
+TAPS = [1, 16, 31, 46, 61]
+QWEN36_27B_TRUNCATED = {**QWEN36_27B, "num_hidden_layers": 63, "layer_types": QWEN36_27B["layer_types"][:63]}
+# Recipe overrides of the paper setting for this target: data labels (no LM head, early exit), its taps, and a mask
+# token above the synthetic documents' ids.
+HYBRID_OVERRIDES = (
+    "loss.label_source=data",
+    f"drafter.target_layer_ids=[{','.join(map(str, TAPS))}]",
+    "drafter.mask_token_id=248319",
+)
+DOCUMENTS = (3072, 3072, 2048)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Parent: install the wheels, run both children, print the table
+
+
+def fla_site(wheels: Path) -> str | None:
+    """A directory holding `fla` (and einops), or None when neither an installed `fla` nor the wheels exist."""
+    probe = subprocess.run([sys.executable, "-c", "import fla.ops.gated_delta_rule"], capture_output=True)
+    if probe.returncode == 0:
+        return ""  # importable as installed
+    found = sorted(wheels.glob("fla_core-*.whl")) + sorted(wheels.glob("einops-*.whl"))
+    if not any(p.name.startswith("fla_core") for p in found):
+        return None
+    site = Path(tempfile.gettempdir()) / "hybrid_bench_fla"
+    command = [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-index", "--upgrade", "--target"]
+    subprocess.run([*command, str(site), *map(str, found)], check=True)
+    return str(site)
+
+
+def run_children(args: argparse.Namespace) -> int:
+    import torch  # the parent never imports transformers: each child picks its kernels before that
+
+    if not torch.cuda.is_available():
+        print("hybrid_bench: needs a CUDA device (a 27B-parameter target)", file=sys.stderr)
+        return 2
+    site = fla_site(args.wheels)
+    results = {}
+    for kernels in ("fla", "torch"):
+        if kernels == "fla" and site is None:
+            results[kernels] = {
+                "error": f"flash-linear-attention not importable and no fla_core wheel in {args.wheels}"
+            }
+            continue
+        env = dict(os.environ, PYTHONUNBUFFERED="1", HF_HUB_OFFLINE="1")
+        paths = [str(REPO / "src"), *([site] if kernels == "fla" and site else []), env.get("PYTHONPATH", "")]
+        env["PYTHONPATH"] = os.pathsep.join(p for p in paths if p)
+        with tempfile.NamedTemporaryFile(suffix=".json") as out:
+            command = [sys.executable, __file__, "--child", kernels, "--child-out", out.name, "--rows", str(args.rows)]
+            command += ["--compile"] if args.compile else []
+            print(f"=== {kernels} kernels", flush=True)
+            try:
+                subprocess.run(command, env=env, timeout=args.child_timeout, check=False)
+            except subprocess.TimeoutExpired:
+                print(f"{kernels}: over {args.child_timeout} s", flush=True)
+            text = Path(out.name).read_text()
+            results[kernels] = json.loads(text) if text else {"error": "the child wrote no result"}
+    print_table(results)
+    if os.environ.get("OUT"):
+        path = Path(os.environ["OUT"]) / "hybrid_bench.json"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(results, indent=2))
+        print(f"wrote {path}")
+    return 0 if all("error" not in r and not r.get("errors") for r in results.values()) else 1
+
+
+def print_table(results: dict) -> None:
+    print(f"\n{'kernels':<8} {'phase':<8} result")
+    for kernels, result in results.items():
+        if "error" in result:
+            print(f"{kernels:<8} {'-':<8} ERROR {result['error']}")
+            continue
+        print(f"{kernels:<8} {'bound':<8} chunk: {result['bound']['chunk']}, recurrent: {result['bound']['recurrent']}")
+        for phase, value in result.get("phases", {}).items():
+            print(f"{kernels:<8} {phase:<8} {value['summary']}")
+        for phase, error in result.get("errors", {}).items():
+            print(f"{kernels:<8} {phase:<8} ERROR {error}")
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Child: one set of kernels
+
+
+def bound_implementation(function: object) -> str:
+    """The module of what transformers bound behind one of its kernel wrappers (its closure's `implementation`)."""
+    implementation = inspect.getclosurevars(function).nonlocals.get("implementation")
+    return getattr(implementation, "__module__", "unknown")
+
+
+def run_child(kernels: str, out: Path, *, rows: int, compile_drafter: bool) -> None:
+    if kernels == "torch":
+        sys.modules["fla"] = None  # `import fla` raises: transformers binds its PyTorch fallbacks
+    import torch
+    import transformers.models.qwen3_5.modeling_qwen3_5 as modeling
+
+    from dflash_trainer.bench import random_target
+
+    result: dict = {
+        "kernels": kernels,
+        "bound": {
+            "chunk": bound_implementation(modeling.torch_chunk_gated_delta_rule),
+            "recurrent": bound_implementation(modeling.torch_recurrent_gated_delta_rule),
+        },
+        "gpu": torch.cuda.get_device_name(),
+        "phases": {},
+        "errors": {},
+    }
+    print(f"bound: {result['bound']}", flush=True)
+    if kernels == "fla" and not result["bound"]["chunk"].startswith("fla"):
+        result["errors"]["bound"] = "transformers did not bind flash-linear-attention's kernels"
+    device = torch.device("cuda")
+    started = time.perf_counter()
+    torch.manual_seed(0)
+    target = random_target(device, torch.bfloat16, QWEN36_27B_TRUNCATED)
+    result["build_s"] = time.perf_counter() - started
+    fast = kernels == "fla"
+    phases = [
+        ("forward", lambda: forward_phase(target, iters=5 if fast else 2)),
+        ("train", lambda: train_phase(target, steps=4 if fast else 2, compile_drafter=compile_drafter)),
+        ("decode", lambda: decode_phase(target, rows=rows, new_tokens=48 if fast else 24)),
+    ]
+    for name, phase in phases:
+        try:
+            result["phases"][name] = phase()
+            print(f"{name}: {result['phases'][name]['summary']}", flush=True)
+        except Exception as error:  # reported in the table and the exit status; the other phases still run
+            result["errors"][name] = f"{type(error).__name__}: {error}"
+            print(f"{name}: ERROR {result['errors'][name]}", flush=True)
+        torch.cuda.empty_cache()
+        out.write_text(json.dumps(result, indent=2))
+
+
+def forward_phase(target, *, iters: int) -> dict:
+    import torch
+
+    from dflash_trainer.target.capture import FeatureCapture
+    from dflash_trainer.target.documents import DocumentLayout
+
+    device = target.device
+    capture = FeatureCapture(target.model, TAPS)
+    doc_ids = torch.cat([torch.full((n,), d) for d, n in enumerate(DOCUMENTS)])[None]  # [1, T]
+    layout = DocumentLayout.from_doc_ids(doc_ids, device)
+    ids = torch.randint(0, QWEN36_27B["vocab_size"] - 4096, doc_ids.shape, device=device)
+    capture.capture(ids, documents=layout)  # warm-up (Triton autotuning, cuBLAS)
+    torch.cuda.reset_peak_memory_stats(device)
+    times = []
+    for _ in range(iters):
+        torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        capture.capture(ids, documents=layout)
+        torch.cuda.synchronize(device)
+        times.append(time.perf_counter() - start)
+    median = statistics.median(times)
+    tokens = int(doc_ids.numel())
+    peak = torch.cuda.max_memory_allocated(device) / 2**30
+    return {
+        "path": capture.packing_path,
+        "tokens": tokens,
+        "ms": median * 1e3,
+        "tokens_per_s": tokens / median,
+        "peak_gib": peak,
+        "summary": f"{capture.packing_path} path, {tokens} tokens: {median * 1e3:.0f} ms, {tokens / median:,.0f} "
+        f"target tok/s (peak {peak:.1f} GiB)",
+    }
+
+
+def train_phase(target, *, steps: int, compile_drafter: bool) -> dict:
+    from dataclasses import asdict
+
+    from dflash_trainer.bench import (
+        Setting,
+        bench_config,
+        live_steps,
+        paper_documents,
+        time_steps,
+        write_synthetic_shards,
+    )
+    from dflash_trainer.train.trainer import Trainer
+
+    with tempfile.TemporaryDirectory() as tmp:
+        setting = Setting(QWEN36_27B_TRUNCATED, paper_documents)
+        shards = write_synthetic_shards(
+            Path(tmp) / "shards", setting=setting, groups=2 * (steps + 8), vocab=QWEN36_27B["vocab_size"]
+        )
+        compile_flag = str(compile_drafter).lower()
+        overrides = [*HYBRID_OVERRIDES, f"drafter.compile={compile_flag}", f"loss.compile={compile_flag}"]
+        config = bench_config(REPO / "recipes/bench-qwen3-8b.yaml", overrides, shards, Path(tmp) / "run")
+        trainer = Trainer(config, target=target, log=print)
+        trainer.start_log_window()
+        steps_iter = live_steps(trainer)
+        phase = time_steps(trainer, steps_iter, warmup=2, steps=steps, name="end_to_end")
+        steps_iter.close()
+    result = asdict(phase)
+    mfu = f"{100 * phase.mfu:.1f}%" if phase.mfu is not None else "n/a"
+    result["summary"] = (
+        f"{phase.step_ms_median:.0f} ms/step, {phase.tokens_per_s:,.0f} target tok/s, MFU {mfu}, peak "
+        f"{phase.peak_mem_gib:.1f} GiB, first step {phase.first_step_s:.0f} s; stages (ms): "
+        + " ".join(f"{k} {v:.0f}" for k, v in sorted(phase.stages_ms.items(), key=lambda kv: -kv[1])[:4])
+    )
+    return result
+
+
+def decode_phase(target, *, rows: int, new_tokens: int) -> dict:
+    import torch
+
+    from dflash_trainer.decoding.plain import target_generate_batch
+    from dflash_trainer.decoding.speculative import SpeculativeDecoder
+    from dflash_trainer.model.config import DrafterModelConfig
+    from dflash_trainer.model.drafter import DFlashDrafter
+
+    generator = torch.Generator().manual_seed(1)
+    vocab = QWEN36_27B["vocab_size"]
+    prompts = [torch.randint(0, vocab - 4096, (512,), generator=generator).tolist() for _ in range(rows)]
+    config = DrafterModelConfig.from_target(
+        target.model.config, num_layers=5, block_size=16, mask_token_id=vocab - 1, target_layer_ids=TAPS
+    )
+    torch.manual_seed(0)
+    drafter = DFlashDrafter(config).to(target.device, torch.bfloat16).eval()
+    common = dict(max_new_tokens=new_tokens, stop_token_ids=[])
+    target_generate_batch(target.model, prompts[:1], max_new_tokens=4, stop_token_ids=[])  # warm-up
+    plain = target_generate_batch(target.model, prompts, **common)
+    speculative = SpeculativeDecoder(target.model, drafter, prompts, **common).run()
+    plain_steps = new_tokens - 1
+    verify_steps = max(len(r.accepted_lengths) for r in speculative.results)
+    decode_ms = 1e3 * plain.decode_s / plain_steps
+    verify_ms = 1e3 * speculative.decode_s / verify_steps
+    same = sum(p.output_ids == s.output_ids for p, s in zip(plain.results, speculative.results, strict=True))
+    tau = statistics.mean(r.tau for r in speculative.results)
+    return {
+        "rows": rows,
+        "decode_ms_per_step": decode_ms,
+        "verify_ms_per_step": verify_ms,
+        "plain_tokens_per_s": plain.decode_tokens_per_s,
+        "speculative_tokens_per_s": speculative.decode_tokens_per_s,
+        "tau": tau,
+        "identical_outputs": same,
+        "graphs_captured": plain.graphs_captured + speculative.graphs_captured,
+        "capture_s": plain.capture_s + speculative.capture_s,
+        "summary": f"{rows} rows: decode step {decode_ms:.1f} ms ({plain.decode_tokens_per_s:,.0f} tok/s), verify "
+        f"step (block 16 + commit + draft) {verify_ms:.1f} ms (ratio {verify_ms / decode_ms:.2f}), random drafter "
+        f"tau {tau:.2f}, speculative == plain on {same}/{rows} rows, "
+        f"{plain.graphs_captured + speculative.graphs_captured} graphs",
+    }
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--wheels", type=Path, default=REPO / ".whl", help="where fla_core-*.whl and einops-*.whl are")
+    parser.add_argument("--rows", type=int, default=8, help="prompts decoded together in the decode phase")
+    parser.add_argument("--child-timeout", type=int, default=110)
+    parser.add_argument("--compile", action="store_true", help="compile the drafter layers and the loss (slower start)")
+    parser.add_argument("--child", choices=["fla", "torch"], help=argparse.SUPPRESS)
+    parser.add_argument("--child-out", type=Path, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.child:
+        run_child(args.child, args.child_out, rows=args.rows, compile_drafter=args.compile)
+        return 0
+    return run_children(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

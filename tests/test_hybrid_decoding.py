@@ -1,0 +1,365 @@
+"""The decoding engine on hybrid targets (Qwen3.5-style: Gated DeltaNet linear-attention layers beside full
+attention): the static-cache forward with rolled-back recurrent states equals transformers' forward (float64 against
+a naive float64 delta rule; float32 with transformers' own kernels), continuous batching and regeneration equal
+`generate`, speculative decoding is lossless with every accepted length, a CUDA-graph capture's warm-up leaves the
+recurrent states as they were, and evaluation reports tau for a hybrid. (Captured CUDA-graph steps of a hybrid on
+a GPU: test_decoding.py's `test_cuda_graph_steps_equal_eager_steps`.)"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from functools import partial
+from pathlib import Path
+
+import pytest
+import torch
+import transformers.models.qwen3_5.modeling_qwen3_5 as qwen3_5_modeling
+from torch import Tensor
+from transformers import PreTrainedModel
+
+from decoding_helpers import (  # noqa: F401 (one_thread: autouse fixture)
+    HYBRID_DIMS,
+    cpu_target,
+    hf_greedy,
+    hybrid_target,
+    one_thread,
+    seeded,
+    warm_up_then_run,
+)
+from dflash_trainer.decoding.batch import BatchDecoder, Request, RequestQueue
+from dflash_trainer.decoding.cache import UnsupportedTargetError
+from dflash_trainer.decoding.graphs import StepGraphs
+from dflash_trainer.decoding.plain import target_generate_batch
+from dflash_trainer.decoding.recurrent import DELTA_RULE_KERNELS
+from dflash_trainer.decoding.sampling import SamplingParams
+from dflash_trainer.decoding.speculative import SpeculativeDecoder
+from dflash_trainer.decoding.target import TargetRunner
+from dflash_trainer.eval.runner import evaluate
+from dflash_trainer.model.config import DrafterModelConfig
+from dflash_trainer.model.drafter import DFlashDrafter
+from test_speculative import expected_accepted_lengths
+
+VOCAB = HYBRID_DIMS["vocab_size"]
+HIDDEN = HYBRID_DIMS["hidden_size"]
+
+
+def naive_delta_rule(
+    query: Tensor,  # [B, T, H, Dk]
+    key: Tensor,
+    value: Tensor,  # [B, T, H, Dv]
+    g: Tensor,  # [B, T, H]
+    beta: Tensor,  # [B, T, H]
+    initial_state: Tensor | None = None,  # [B, H, Dk, Dv]
+    output_final_state: bool = False,
+    use_qk_l2norm_in_kernel: bool = False,
+    **kwargs: object,
+) -> tuple[Tensor, Tensor | None]:
+    """The gated delta rule token by token in float64 (a reference independent of transformers' kernels)."""
+    q, k, v, b, decay = (x.transpose(1, 2).double() for x in (query, key, value, beta, g))  # [B, H, T, ...]
+    if use_qk_l2norm_in_kernel:
+        q = q * torch.rsqrt((q * q).sum(-1, keepdim=True) + 1e-6)
+        k = k * torch.rsqrt((k * k).sum(-1, keepdim=True) + 1e-6)
+    q = q * q.shape[-1] ** -0.5
+    batch, heads, length, key_dim = k.shape
+    state = (
+        initial_state.double()
+        if initial_state is not None
+        else torch.zeros(batch, heads, key_dim, v.shape[-1], dtype=torch.float64)
+    )
+    outputs = []
+    for t in range(length):
+        state = state * decay[:, :, t].exp()[..., None, None]
+        delta = (v[:, :, t] - (state * k[:, :, t, :, None]).sum(-2)) * b[:, :, t, None]  # [B, H, Dv]
+        state = state + k[:, :, t, :, None] * delta[:, :, None, :]
+        outputs.append((state * q[:, :, t, :, None]).sum(-2))
+    out = torch.stack(outputs, dim=2).transpose(1, 2).to(value.dtype)  # [B, T, H, Dv]
+    return out, state if output_final_state else None
+
+
+def run_blocks(model: PreTrainedModel, ids: Tensor, *, keeps: list[list[int]], tolerance: float) -> None:
+    """Prefill right-padded prompts of lengths 12, 9, 5, then verify blocks of 3 tokens per row, each row keeping
+    keeps[step][row] of them (0 = a finished row, nothing kept): every logit and tap equals the model's own
+    forward over the whole sequence."""
+    runner = TargetRunner(model, tap_layers=[1, 3])
+    with torch.no_grad():
+        reference = model(ids, output_hidden_states=True)
+    cache = runner.new_cache(3, 48)
+    device = ids.device
+    lengths = torch.tensor([12, 9, 5], device=device)
+    prefill = runner.forward(
+        cache,
+        ids[:, :12],
+        torch.arange(12, device=device).expand(3, 12),
+        rows=torch.arange(3, device=device),
+        last_index=lengths - 1,
+    )
+    for row in range(3):
+        torch.testing.assert_close(prefill.logits[row], reference.logits[row, lengths[row] - 1], rtol=0, atol=tolerance)
+        taps = torch.cat([reference.hidden_states[2][row], reference.hidden_states[4][row]], dim=-1)
+        torch.testing.assert_close(prefill.features[row, : lengths[row]], taps[: lengths[row]], rtol=0, atol=tolerance)
+    position = lengths.clone()
+    for keep in keeps:
+        positions = position[:, None] + torch.arange(3, device=device)  # [3, 3]
+        out = runner.forward(cache, torch.gather(ids, 1, positions), positions, kv_len=48, verify=True)
+        for row in range(3):
+            torch.testing.assert_close(out.logits[row], reference.logits[row, positions[row]], rtol=0, atol=tolerance)
+        kept = torch.tensor(keep, device=device)
+        cache.commit(kept)
+        position += kept
+
+
+KEEPS = [[1, 3, 2], [3, 0, 1], [2, 2, 3], [0, 1, 1], [3, 3, 0], [1, 2, 3]]
+
+
+def test_verified_blocks_roll_the_recurrent_states_back_exactly(monkeypatch):
+    """float64 model, transformers' delta-rule kernels replaced by a naive float64 recurrence (the engine routes
+    whatever the layers call): the commit re-advance gives exactly the states of running the kept tokens only."""
+    for name in DELTA_RULE_KERNELS:
+        monkeypatch.setattr(qwen3_5_modeling, name, naive_delta_rule)
+    model = hybrid_target().double()
+    ids = seeded(lambda: torch.randint(0, VOCAB, (3, 36)), 1)
+    run_blocks(model, ids, keeps=KEEPS, tolerance=1e-10)
+
+
+GPU = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+@pytest.mark.parametrize(
+    ("device", "tolerance"),
+    [("cpu", 2e-3), pytest.param("cuda", 5e-2, marks=[pytest.mark.gpu, GPU])],
+    ids=["cpu", "cuda"],
+)
+def test_static_cache_forward_equals_transformers_with_its_own_kernels(device, tolerance):
+    """float32 with the kernels transformers bound (its PyTorch fallbacks; on a GPU flash-linear-attention's
+    Triton kernels when `fla` is importable, whose chunked form takes TF32 dots): equal up to their rounding, where
+    a wrong rollback is off by O(1)."""
+    model = hybrid_target().to(device)
+    ids = seeded(lambda: torch.randint(0, VOCAB, (3, 36)), 1).to(device)
+    run_blocks(model, ids, keeps=KEEPS, tolerance=tolerance)
+
+
+def test_only_known_hybrid_layouts_are_served():
+    model = hybrid_target()
+    model.config.model_type = "qwen3"  # linear-attention layers under a layout the engine has not checked
+    with pytest.raises(UnsupportedTargetError, match="linear-attention"):
+        TargetRunner(model)
+
+
+def _prompts(lengths: tuple[int, ...]) -> list[list[int]]:
+    return [seeded(lambda n=n: torch.randint(0, VOCAB, (n,)).tolist(), n) for n in lengths]
+
+
+def test_continuous_batching_of_a_hybrid_equals_generate():
+    """Seven prompts of different lengths through three rows: refilled rows start from a zero recurrent state
+    (their previous request's state would change every later token), some replies stop on a stop token."""
+    model = hybrid_target()
+    prompts = _prompts((3, 9, 5, 14, 7, 2, 11))
+    free_running = [hf_greedy(model, p, 16, []) for p in prompts]
+    stops = sorted({ref[5] for ref in free_running[:3] if ref[5] not in ref[:5]})
+    assert stops
+    references = [hf_greedy(model, p, 16, stops) for p in prompts]
+    assert {len(r) < 16 for r in references} == {True, False}
+    decoder = BatchDecoder(TargetRunner(model), rows=3, max_new_tokens=16, stop_token_ids=stops)
+    got = {c.key: c.tokens for c in decoder.generate(RequestQueue([Request(i, p) for i, p in enumerate(prompts)]))}
+    assert [got[i] for i in range(len(prompts))] == references
+    assert decoder.stats.prefills >= 3
+
+
+class BatchOracleDrafter(DFlashDrafter):
+    """Knows every row's greedy continuation; at position n of row r it drafts `correct(r, n)` right tokens, then
+    wrong ones (hidden states the target's orthogonal LM head maps to exactly those tokens)."""
+
+    def __init__(self, config: DrafterModelConfig, *, references: list[list[int]], head: Tensor, correct) -> None:
+        super().__init__(config)
+        self.references = references  # per row: prompt + greedy output
+        self.head = head  # [V, H]: head[t] scores token t alone
+        self.correct = correct
+
+    def forward(self, *, features, block_embeds, ctx_positions, block_positions, masks, backend="sdpa", cache=None):
+        rows, block = block_positions.shape
+        hidden = torch.zeros(rows, block, HIDDEN)
+        for row in range(rows):
+            reference = self.references[row]
+            start = int(block_positions[row, 0])
+            for slot in range(1, block):
+                token = reference[start + slot] if start + slot < len(reference) else 0
+                if slot > self.correct(row, start):
+                    token = (token + 1) % VOCAB  # never what the target picks
+                hidden[row, slot] = self.head[token]
+        return hidden
+
+
+@pytest.mark.parametrize("block_size", [4, 6])
+def test_speculative_decoding_of_a_hybrid_is_lossless_at_every_accepted_length(block_size):
+    """Three prompts decoded together; each row accepts a position-dependent number of drafts (0..B-1), so the
+    recurrent states are rolled back by a different amount per row and step. Output equals plain decoding through
+    the engine and transformers' greedy `generate`; the accepted lengths are exactly the oracle's."""
+    target = hybrid_target(orthogonal_head=True)
+    prompts = _prompts((10, 7, 13))
+    max_new = 36
+    plain = target_generate_batch(target, prompts, max_new_tokens=max_new, stop_token_ids=[])
+    references = [result.output_ids for result in plain.results]
+    assert references == [hf_greedy(target, p, max_new, []) for p in prompts]
+
+    def correct(row: int, position: int) -> int:
+        return (position + row) % block_size
+
+    config = DrafterModelConfig.from_target(
+        target.config, num_layers=1, block_size=block_size, mask_token_id=VOCAB - 1, num_target_features=2
+    )
+    oracle = BatchOracleDrafter(
+        config,
+        references=[p + r for p, r in zip(prompts, references, strict=True)],
+        head=target.lm_head.weight / 4.0,
+        correct=correct,
+    )
+    run = SpeculativeDecoder(target, oracle, prompts, max_new_tokens=max_new, stop_token_ids=[]).run()
+    for row, (prompt, result) in enumerate(zip(prompts, run.results, strict=True)):
+        assert result.output_ids == references[row]
+        assert result.accepted_lengths == expected_accepted_lengths(
+            prompt_len=len(prompt), max_new_tokens=max_new, block_size=block_size, correct=partial(correct, row)
+        )
+    lengths = {length for result in run.results for length in result.accepted_lengths}
+    assert lengths == set(range(1, block_size + 1))
+    assert all(result.tau > 1.0 for result in run.results)
+
+
+def test_warm_up_before_capture_leaves_the_recurrent_states_as_they_were(monkeypatch):
+    """A capture runs the step once (warm-up), restores the declared state, then replays it. The recurrent
+    states advance in place, so they must be declared: run every step twice that way and the tokens (sampled,
+    plain and speculative) must equal running it once."""
+    model = hybrid_target()
+    prompts = _prompts((3, 9, 5, 14))
+    sampling = SamplingParams(temperature=1.0, top_p=0.9)
+    config = DrafterModelConfig.from_target(
+        model.config, num_layers=1, block_size=4, mask_token_id=VOCAB - 1, num_target_features=2
+    )
+    drafter = seeded(lambda: DFlashDrafter(config).eval(), 0)
+
+    def run_all() -> tuple[dict, list]:
+        decoder = BatchDecoder(TargetRunner(model), rows=2, max_new_tokens=10, stop_token_ids=[5], sampling=sampling)
+        queue = RequestQueue([Request(i, p, seed=i) for i, p in enumerate(prompts)])
+        plain = {c.key: c.tokens for c in decoder.generate(queue)}
+        speculative = SpeculativeDecoder(
+            model, drafter, prompts, max_new_tokens=10, stop_token_ids=[5], sampling=sampling, seeds=range(4)
+        ).run()
+        return plain, [r.output_ids for r in speculative.results]
+
+    reference = run_all()
+    assert reference[1] == [reference[0][i] for i in range(len(prompts))]  # speculative sampling == plain sampling
+
+    monkeypatch.setattr(StepGraphs, "run", warm_up_then_run)
+    assert run_all() == reference
+
+
+def test_evaluation_of_a_hybrid_target_reports_tau_and_checks_losslessness(
+    tiny_qwen3_5, tiny_chat_tokenizer, tmp_path: Path
+):
+    target = cpu_target(tiny_qwen3_5, tiny_chat_tokenizer, "tiny-hybrid")
+    drafter = DFlashDrafter(
+        DrafterModelConfig.from_target(
+            tiny_qwen3_5.config, num_layers=1, block_size=4, mask_token_id=5, num_target_features=2
+        )
+    )
+    path = tmp_path / "prompts.jsonl"
+    lines = [{"id": f"p{i}", "prompt": " ".join(f"w{(7 * i + j) % 200}" for j in range(4 + i))} for i in range(3)]
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    report = evaluate(target, drafter, [str(path)], num_prompts=3, max_new_tokens=12, progress=False)
+    (data,) = report.datasets
+    assert data.lossless_checked and data.exact_matches == 3 and not data.near_ties
+    assert data.tau >= 1.0 and sum(data.accepted_histogram) > 0
+
+
+@pytest.mark.slow
+def test_hybrid_steps_trace_without_graph_breaks():
+    """The hybrid decode and verify steps (routed delta rules, recurrent states, commit) compile as one graph
+    (dynamo, no code generation): no host syncs, no data-dependent shapes, what a CUDA-graph capture needs."""
+    model = hybrid_target()
+    sampling = SamplingParams(temperature=1.0, top_p=0.9)
+    decoder = BatchDecoder(TargetRunner(model), rows=2, max_new_tokens=8, stop_token_ids=[5], sampling=sampling)
+    config = DrafterModelConfig.from_target(
+        model.config, num_layers=1, block_size=4, mask_token_id=VOCAB - 1, num_target_features=2
+    )
+    drafter = seeded(lambda: DFlashDrafter(config).eval(), 0)
+    speculative = SpeculativeDecoder(
+        model, drafter, [[1, 2, 3], [4, 5, 6, 7]], max_new_tokens=8, stop_token_ids=[5], sampling=sampling
+    )
+    torch._dynamo.reset()
+    try:
+        with torch.inference_mode():
+            decoder._prefill([0, 1], [Request(0, [1, 2, 3]), Request(1, [7])])
+            torch.compile(partial(decoder._decode_step, 128), backend="eager", fullgraph=True)()
+            speculative._prefill()
+            torch.compile(partial(speculative._step, 128), backend="eager", fullgraph=True)()
+    finally:
+        torch._dynamo.reset()
+
+
+# A stand-in for flash-linear-attention's two entry points (its signatures; the naive recurrence inside), so the
+# engine's routing is checked against the calling convention transformers uses when it binds `fla` on a GPU.
+FLA_STAND_IN = """
+import torch
+CALLS = []
+def _naive(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel):
+    q, k, v, b, decay = (x.transpose(1, 2).float() for x in (q, k, v, beta, g))
+    if use_qk_l2norm_in_kernel:
+        q, k = (x * torch.rsqrt((x * x).sum(-1, keepdim=True) + 1e-6) for x in (q, k))
+    q = q * (scale if scale is not None else q.shape[-1] ** -0.5)
+    state = initial_state.float() if initial_state is not None else q.new_zeros(*k.shape[:2], k.shape[-1], v.shape[-1])
+    out = []
+    for t in range(k.shape[2]):
+        state = state * decay[:, :, t].exp()[..., None, None]
+        delta = (v[:, :, t] - (state * k[:, :, t, :, None]).sum(-2)) * b[:, :, t, None]
+        state = state + k[:, :, t, :, None] * delta[:, :, None, :]
+        out.append((state * q[:, :, t, :, None]).sum(-2))
+    return torch.stack(out, 2).transpose(1, 2).to(v.dtype), (state if output_final_state else None)
+def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
+                           use_qk_l2norm_in_kernel=False, cu_seqlens=None, **kwargs):
+    CALLS.append("chunk")
+    return _naive(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel)
+def fused_recurrent_gated_delta_rule(q, k, v, g=None, gk=None, gv=None, beta=None, scale=None, initial_state=None,
+                                     output_final_state=False, use_qk_l2norm_in_kernel=False, cu_seqlens=None,
+                                     **kwargs):
+    assert gk is None and gv is None and beta is not None
+    CALLS.append("recurrent")
+    return _naive(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel)
+"""
+FLA_CHECK = """
+import fla.ops.gated_delta_rule as fla
+from decoding_helpers import hf_greedy, hybrid_target
+from dflash_trainer.decoding.plain import target_generate_batch
+from dflash_trainer.decoding.speculative import SpeculativeDecoder
+from dflash_trainer.model.config import DrafterModelConfig
+from dflash_trainer.model.drafter import DFlashDrafter
+model = hybrid_target()
+prompts = [[1, 2, 3, 4, 5], [7, 8, 9]]
+plain = [r.output_ids for r in target_generate_batch(model, prompts, max_new_tokens=10, stop_token_ids=[]).results]
+calls = set(fla.CALLS)
+config = DrafterModelConfig.from_target(
+    model.config, num_layers=1, block_size=4, mask_token_id=63, num_target_features=2
+)
+drafter = DFlashDrafter(config).eval()
+run = SpeculativeDecoder(model, drafter, prompts, max_new_tokens=10, stop_token_ids=[]).run()
+assert calls == {"chunk", "recurrent"}, calls
+assert plain == [r.output_ids for r in run.results] == [hf_greedy(model, p, 10, []) for p in prompts]
+print("ok")
+"""
+
+
+def test_engine_with_flash_linear_attention_calling_convention(tmp_path: Path):
+    """transformers binds `fla`'s kernels (when importable) under the same names: with a stand-in of fla's two
+    entry points on the path, plain decoding (prefill: chunk; decode: fused recurrent) and speculative decoding
+    (verify and commit: chunk) through the engine still equal `generate`."""
+    package = tmp_path / "fla" / "ops" / "gated_delta_rule"
+    package.mkdir(parents=True)
+    for folder in (tmp_path / "fla", tmp_path / "fla" / "ops"):
+        (folder / "__init__.py").write_text("")
+    (package / "__init__.py").write_text(FLA_STAND_IN)
+    here = Path(__file__).resolve().parent
+    path = os.pathsep.join([str(tmp_path), str(here), str(here.parent / "src")])
+    env = {**os.environ, "PYTHONPATH": path, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    done = subprocess.run([sys.executable, "-c", FLA_CHECK], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stdout + done.stderr
