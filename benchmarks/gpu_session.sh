@@ -27,7 +27,7 @@ mkdir -p "$RES"
 bg() {  # name, command...: run in its own session, surviving this call; exit status in $RES/name.rc
   local name=$1
   shift
-  setsid bash -c "$* > $RES/$name.log 2>&1; echo \$? > $RES/$name.rc" < /dev/null > /dev/null 2>&1 &
+  setsid bash -c "{ $*; } > $RES/$name.log 2>&1; echo \$? > $RES/$name.rc" < /dev/null > /dev/null 2>&1 &
 }
 
 case "$STAGE" in
@@ -70,6 +70,12 @@ case "$STAGE" in
     deadline=$((SECONDS + ${2:-540}))
     while [ $SECONDS -lt $deadline ]; do
       echo "--- $(date +%T)"
+      partial=$REPO/data/smollm2-135m-mix40k-chat/regen.partial.jsonl
+      [ -f "$partial" ] && echo "regenerated: $(wc -l < "$partial") records"
+      metrics=$REPO/runs/smollm2-135m-gpu/metrics.jsonl
+      [ -f "$metrics" ] && echo "main metrics: $(tail -n 1 "$metrics" | cut -c1-300)"
+      ls "$RES"/train_bench/*.json "$RES"/peer.json "$RES"/sweep/*.log 2>/dev/null | tr '\n' ' '
+      echo
       for job in benchmarks main sweep; do
         [ -f "$RES/$job.log" ] || continue
         state=running
