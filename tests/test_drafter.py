@@ -217,3 +217,28 @@ def test_rope_frequencies_stay_float32_when_the_drafter_is_cast():
     assert drafter.fc.weight.dtype == torch.bfloat16
     assert drafter.rotary_emb.inv_freq.dtype == torch.float32
     assert torch.equal(drafter.rotary_emb.inv_freq, exact)
+
+
+def test_the_drafter_keeps_only_the_rope_settings_its_layers_implement():
+    """A Qwen3.5 target's partial-rotary and M-RoPE settings must not reach the drafter (or its export, where a
+    serving engine would apply them to layers trained with full 1-D RoPE)."""
+    from transformers import Qwen3_5TextConfig
+
+    target = Qwen3_5TextConfig(
+        hidden_size=64,
+        num_hidden_layers=8,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        intermediate_size=128,
+        vocab_size=256,
+        rope_parameters={
+            "rope_type": "default",
+            "rope_theta": 1e7,
+            "partial_rotary_factor": 0.25,
+            "mrope_section": [11, 11, 10],
+            "mrope_interleaved": True,
+        },
+    )
+    config = DrafterModelConfig.from_target(target, num_layers=1, block_size=4, mask_token_id=255)
+    assert config.rope_parameters == {"rope_type": "default", "rope_theta": 1e7}

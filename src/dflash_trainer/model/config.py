@@ -23,6 +23,10 @@ def default_target_layer_ids(num_target_layers: int, num_features: int) -> list[
     return [round(1 + i * span / (num_features - 1)) for i in range(num_features)]
 
 
+# Rope settings of a target that the drafter's layers do not implement (see `from_target`).
+TARGET_ONLY_ROPE_KEYS = frozenset({"partial_rotary_factor", "mrope_section", "mrope_interleaved"})
+
+
 @dataclass
 class DrafterModelConfig:
     hidden_size: int
@@ -98,7 +102,9 @@ class DrafterModelConfig:
         rope = getattr(text, "rope_parameters", None)
         if not rope:
             rope = {"rope_type": "default", "rope_theta": float(getattr(text, "rope_theta", 1e4))}
-        rope = {k: v for k, v in dict(rope).items() if k != "partial_rotary_factor"}
+        # The drafter's layers rotate the whole head with 1-D positions: drop the target's partial-rotary and
+        # multimodal (M-RoPE) settings, which a serving engine would otherwise apply to the exported drafter.
+        rope = {k: v for k, v in dict(rope).items() if k not in TARGET_ONLY_ROPE_KEYS}
         layer_types = [SLIDING_ATTENTION if i in sliding_layers else FULL_ATTENTION for i in range(num_layers)]
         return cls(
             hidden_size=text.hidden_size,
