@@ -32,6 +32,7 @@ from pathlib import Path
 import torch
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
+from dflash_trainer.bench import SMOLLM2_135M
 from dflash_trainer.data.prompts import Prompt, load_prompt_set
 from dflash_trainer.decoding.plain import target_generate_batch
 from dflash_trainer.eval.runner import LosslessError, evaluate, first_difference, prompt_token_ids
@@ -41,17 +42,8 @@ from dflash_trainer.model.drafter import DFlashDrafter
 from dflash_trainer.target.loader import LoadedTarget, builtin_gguf_path, cache_root, load_target
 from dflash_trainer.target.regenerate import regenerate
 
-SMOLLM2_SHAPE = dict(
-    hidden_size=576,
-    num_hidden_layers=30,
-    num_attention_heads=9,
-    num_key_value_heads=3,
-    intermediate_size=1536,
-    vocab_size=49152,
-    max_position_embeddings=8192,
-    rope_theta=100000.0,
-    tie_word_embeddings=True,
-)
+# The random model has SmolLM2-135M's shape (bench.py's, the training benchmark's), as a LlamaConfig.
+SMOLLM2_SHAPE = {key: value for key, value in SMOLLM2_135M.items() if key != "model_type"}
 
 
 def load_bench_target(
