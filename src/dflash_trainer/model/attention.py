@@ -33,11 +33,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from ..flex import TILE, compiled_flex_attention, ordered_tiles
+
 Backend = Literal["flex", "sdpa"]
 MaskBuilder = Literal["anchors", "mask_mod"]
 MaskMod = Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]
-# flex_attention's sparse tile (queries x keys) of a BlockMask.
-TILE = 128
 
 
 @dataclass(frozen=True)
@@ -122,13 +122,6 @@ class TileTables:
         return TileTables(**{f.name: getattr(self, f.name).pin_memory() for f in fields(self)})
 
 
-def _ordered(tiles: Tensor) -> tuple[Tensor, Tensor]:
-    """bool [R, Qt, KVt] -> (count [R, 1, Qt], indices [R, 1, Qt, KVt]) with the set tiles first, ascending."""
-    count = tiles.sum(dim=-1, dtype=torch.int32)
-    order = torch.argsort(tiles.to(torch.int8), dim=-1, descending=True, stable=True).to(torch.int32)
-    return count.unsqueeze(1), order.unsqueeze(1)
-
-
 def tile_tables(
     *,
     anchors: Tensor,  # [R, N] int64
@@ -195,8 +188,8 @@ def tile_tables(
     kv_tile = torch.arange(kv_tiles, device=device)
     own = (kv_tile >= own_lo.unsqueeze(-1)) & (kv_tile <= own_hi.unsqueeze(-1))  # [Qt, KVt]
     partial = (touched_tiles | own) & ~full_tiles
-    kv_num_blocks, kv_indices = _ordered(partial)
-    full_kv_num_blocks, full_kv_indices = _ordered(full_tiles)
+    kv_num_blocks, kv_indices = ordered_tiles(partial)
+    full_kv_num_blocks, full_kv_indices = ordered_tiles(full_tiles)
     return TileTables(kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices)
 
 
@@ -285,14 +278,6 @@ def build_masks(
     return DrafterMasks(backend=backend, by_variant=built)
 
 
-@lru_cache(maxsize=1)
-def _compiled_flex_attention() -> Callable:
-    from torch.nn.attention.flex_attention import flex_attention
-
-    # dynamic=None: the first shape change recompiles with symbolic sizes instead of once per shape.
-    return torch.compile(flex_attention, dynamic=None)
-
-
 def attend(q: Tensor, k: Tensor, v: Tensor, mask: object | None, backend: Backend, scale: float) -> Tensor:
     """q [R, Hq, Q, D], k/v [R, Hkv, KV, D] -> [R, Hq, Q, D]. `mask` None means every query sees every key."""
     enable_gqa = q.shape[1] != k.shape[1]
@@ -304,7 +289,7 @@ def attend(q: Tensor, k: Tensor, v: Tensor, mask: object | None, backend: Backen
         # Eager flex_attention is a slow reference implementation: compile it on CUDA, unless we already are
         # inside a compiled region (compiled drafter layers), which compiles it with the rest.
         compile_here = q.device.type == "cuda" and not torch.compiler.is_compiling()
-        fn = _compiled_flex_attention() if compile_here else flex_attention
+        fn = compiled_flex_attention() if compile_here else flex_attention
         return fn(q, k, v, block_mask=mask, scale=scale, enable_gqa=enable_gqa)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=enable_gqa)
 

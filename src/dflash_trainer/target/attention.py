@@ -34,8 +34,10 @@ from typing import Any, Literal, cast
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.nn.attention.flex_attention import flex_attention
 from transformers import AttentionInterface, PretrainedConfig
 
+from ..flex import TILE, compiled_flex_attention, ordered_tiles
 from .documents import DocumentLayout
 
 Backend = Literal["varlen", "flex", "dense"]
@@ -43,7 +45,6 @@ BACKENDS: tuple[str, ...] = ("auto", "varlen", "flex", "dense")
 DOCUMENT_ATTENTION = "dflash_documents"
 # Keyword arguments of transformers' attention calls that would change the result and that no backend here applies.
 _UNSUPPORTED_ARGUMENTS = ("s_aux", "softcap", "position_bias")
-FLEX_BLOCK = 128
 
 
 def layer_windows(config: PretrainedConfig) -> list[int | None]:
@@ -74,7 +75,7 @@ class PackedAttention:
         enable_gqa = query.shape[1] != key.shape[1]
         if self.backend == "flex":
             block_mask = self._mask(window, lambda: document_block_mask(self.layout.segment_ids, window))
-            flex = _compiled_flex_attention() if query.device.type == "cuda" else _eager_flex_attention()
+            flex = compiled_flex_attention() if query.device.type == "cuda" else flex_attention
             out = flex(query, key, value, block_mask=block_mask, scale=scale, enable_gqa=enable_gqa)
         else:
             mask = self._mask(window, lambda: dense_document_mask(self.layout.segment_ids, window))
@@ -221,7 +222,7 @@ def dense_document_mask(segment_ids: Tensor, window: int | None) -> Tensor:
     return (same_segment & allowed)[:, None]
 
 
-def document_block_mask(segment_ids: Tensor, window: int | None, block: int = FLEX_BLOCK):
+def document_block_mask(segment_ids: Tensor, window: int | None, block: int = TILE):
     """flex_attention `BlockMask` for `segment_ids [R, T]`, built from per-tile segment ranges.
 
     Tile (i, j) (query block i, key block j) can hold an allowed pair only if it is on or below the diagonal, within
@@ -262,8 +263,8 @@ def document_block_mask(segment_ids: Tensor, window: int | None, block: int = FL
             allowed = allowed & (q_idx - kv_idx < window)
         return allowed
 
-    partial_count, partial_index = _ordered_blocks(partial)
-    full_count, full_index = _ordered_blocks(full)
+    partial_count, partial_index = ordered_tiles(partial)
+    full_count, full_index = ordered_tiles(full)
     return BlockMask.from_kv_blocks(
         partial_count,
         partial_index,
@@ -273,24 +274,3 @@ def document_block_mask(segment_ids: Tensor, window: int | None, block: int = FL
         mask_mod=mask_mod,
         seq_lengths=(length, length),
     )
-
-
-def _ordered_blocks(selected: Tensor) -> tuple[Tensor, Tensor]:
-    """`[R, NB, NB]` bool -> (count `[R, 1, NB]`, key-block indices `[R, 1, NB, NB]` with the selected ones first)."""
-    count = selected.sum(dim=-1, dtype=torch.int32)[:, None]
-    order = torch.argsort(selected.to(torch.int8), dim=-1, descending=True, stable=True)
-    return count, order.to(torch.int32)[:, None]
-
-
-@cache
-def _compiled_flex_attention() -> Callable:
-    from torch.nn.attention.flex_attention import flex_attention
-
-    # dynamic=None: the first new shape recompiles with symbolic sizes, later ones reuse it.
-    return torch.compile(flex_attention, dynamic=None)
-
-
-def _eager_flex_attention() -> Callable:
-    from torch.nn.attention.flex_attention import flex_attention
-
-    return flex_attention

@@ -204,8 +204,15 @@ class FeatureCapture:
 
         return write
 
-    def _run(self, input_ids: Tensor, position_ids: Tensor | None, write: _Writer, **decoder_kwargs) -> Tensor | None:
-        """One decoder forward with the copy hooks; the final hidden state `[rows, length, H]` if it ran that far."""
+    def _run(
+        self,
+        input_ids: Tensor,
+        position_ids: Tensor | None,
+        write: _Writer,
+        packed_attention: PackedAttention | None = None,
+    ) -> Tensor | None:
+        """One decoder forward with the copy hooks; the final hidden state `[rows, length, H]` if it ran that far.
+        `packed_attention` travels to every attention call (transformers hands unknown keywords through)."""
         deepest = max(self.layer_ids)
         handles = [
             self.decoder.layers[layer_id].register_forward_hook(
@@ -215,7 +222,8 @@ class FeatureCapture:
         ]
         try:
             with torch.no_grad():
-                output = self.decoder(input_ids=input_ids, position_ids=position_ids, use_cache=False, **decoder_kwargs)
+                extra = {} if packed_attention is None else {"packed_attention": packed_attention}
+                output = self.decoder(input_ids=input_ids, position_ids=position_ids, use_cache=False, **extra)
             return output.last_hidden_state  # [rows, length, H]
         except _StopAfterDeepestLayer:
             return None
