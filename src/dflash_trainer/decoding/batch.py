@@ -146,6 +146,7 @@ class BatchDecoder:
 
         device = self.device
         self.stop_ids = torch.tensor(list(stop_token_ids), dtype=torch.long, device=device)  # [S]
+        self._stop_set = set(stop_token_ids)
         # Per-row decoding state, updated in place by the step (static for CUDA graphs).
         self.last = torch.zeros(rows, dtype=torch.long, device=device)  # last token, fed next step
         self.position = torch.zeros(rows, dtype=torch.long, device=device)  # where the last token goes
@@ -294,16 +295,15 @@ class BatchDecoder:
 
     def _collect(self, rows: list[int]) -> Iterator[Completion]:
         index = torch.tensor(rows, dtype=torch.long, device=self.device)
-        counts = self.count[index].tolist()
-        outputs = self.output[index].tolist()
+        # One device-to-host copy: each finished row's count, then its output buffer.
+        finished = torch.cat([self.count[index, None], self.output[index]], dim=1).tolist()  # [k, 1 + max_new]
         completions = []
-        stop_ids = set(self.stop_ids.tolist())
-        for row, count, tokens in zip(rows, counts, outputs, strict=True):
+        for row, (count, *tokens) in zip(rows, finished, strict=True):
             request = self._row_request[row]
             assert request is not None
             self._row_request[row] = None
             new = tokens[:count]
             self.stats.new_tokens += count
-            completions.append(Completion(request.key, new, stopped=bool(new) and new[-1] in stop_ids))
+            completions.append(Completion(request.key, new, stopped=bool(new) and new[-1] in self._stop_set))
         # Handed out after the rows are free, so follow-up requests pushed by the caller can take them.
         yield from completions

@@ -106,11 +106,10 @@ class SpeculativeDecoder:
                 self.graphs.run(
                     ("verify", kv_len), partial(self._step, kv_len), [*self._state, *self.cache.state_tensors()]
                 )
-            bound += self.sync_every * self.block_size
-            # Host sync: stop once every row is done; also tightens the position bound.
-            if not bool(self.active.any()):
+            # Host sync (one copy): stop once every row is done; else tighten the position bound.
+            any_active, bound = torch.stack([self.active.any().long(), self.position.max()]).tolist()
+            if not any_active:
                 break
-            bound = int(self.position.max())
         decode_end = synchronized_time(self.device)
         return BatchRun(
             results=self._results(),
