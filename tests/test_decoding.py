@@ -61,6 +61,20 @@ def build_target(name: str, seed: int = 0) -> PreTrainedModel:
     return seeded(lambda: TARGETS[name]().eval(), seed)
 
 
+def sliding_drafter(model, device: str = "cpu") -> DFlashDrafter:
+    """A seeded 2-layer block-4 drafter for `model` whose first layer has a sliding window of 5."""
+    config = DrafterModelConfig.from_target(
+        model.config,
+        num_layers=2,
+        block_size=4,
+        mask_token_id=VOCAB - 1,
+        num_target_features=2,
+        sliding_layers=(0,),
+        sliding_window=5,
+    )
+    return seeded(lambda: DFlashDrafter(config).to(device).eval(), 0)
+
+
 @pytest.mark.parametrize("name", list(TARGETS))
 def test_static_cache_forward_equals_transformers(name):
     """Prefill of right-padded prompts, then blocks of 3 tokens per row at per-row positions, rolled back by a
@@ -192,16 +206,7 @@ def test_warm_up_before_capture_changes_nothing(monkeypatch):
     model = build_target("qwen3-sliding")
     prompts = [seeded(lambda n=n: torch.randint(0, VOCAB, (n,)).tolist(), n) for n in (3, 9, 5, 14)]
     sampling = SamplingParams(temperature=1.0, top_p=0.9)
-    config = DrafterModelConfig.from_target(
-        model.config,
-        num_layers=2,
-        block_size=4,
-        mask_token_id=VOCAB - 1,
-        num_target_features=2,
-        sliding_layers=(0,),
-        sliding_window=5,
-    )
-    drafter = seeded(lambda: DFlashDrafter(config).eval(), 0)
+    drafter = sliding_drafter(model)
 
     def run_all() -> tuple[dict, list]:
         decoder = BatchDecoder(TargetRunner(model), rows=2, max_new_tokens=12, stop_token_ids=[5], sampling=sampling)
@@ -224,16 +229,7 @@ def test_steps_trace_without_graph_breaks():
     model = seeded(lambda: Qwen3ForCausalLM(Qwen3Config(attn_implementation="sdpa", **DIMS)).eval(), 0)
     sampling = SamplingParams(temperature=1.0, top_p=0.9)
     decoder = BatchDecoder(TargetRunner(model), rows=2, max_new_tokens=8, stop_token_ids=[5], sampling=sampling)
-    config = DrafterModelConfig.from_target(
-        model.config,
-        num_layers=2,
-        block_size=4,
-        mask_token_id=VOCAB - 1,
-        num_target_features=2,
-        sliding_layers=(0,),
-        sliding_window=5,
-    )
-    drafter = seeded(lambda: DFlashDrafter(config).eval(), 0)
+    drafter = sliding_drafter(model)
     speculative = SpeculativeDecoder(
         model, drafter, [[1, 2, 3], [4, 5, 6, 7]], max_new_tokens=8, stop_token_ids=[5], sampling=sampling
     )
@@ -274,16 +270,7 @@ def test_cuda_graph_steps_equal_eager_steps(name, sampling):
     (eager, _), (graphed, captured) = decode(False), decode(True)
     assert graphed == eager and captured >= 2
 
-    config = DrafterModelConfig.from_target(
-        model.config,
-        num_layers=2,
-        block_size=4,
-        mask_token_id=VOCAB - 1,
-        num_target_features=2,
-        sliding_layers=(0,),
-        sliding_window=5,
-    )
-    drafter = seeded(lambda: DFlashDrafter(config).cuda().eval(), 0)
+    drafter = sliding_drafter(model, device="cuda")
 
     def speculate(use_graphs: bool):
         decoder = SpeculativeDecoder(
