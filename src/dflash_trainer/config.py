@@ -64,6 +64,9 @@ class DrafterConfig:
     attention_backend: Literal["auto", "flex", "sdpa"] = "auto"
     # Start from an exported DFlash checkpoint (directory) instead of random weights.
     init_from: str | None = None
+    # Start drafter layer i from a copy of target layer ids[i] (negative ids count from the end, e.g. the last
+    # five: [-5, -4, -3, -2, -1]); null: random. Needs the target's sizes (model/target_init.py).
+    init_layers_from_target: list[int] | None = None
     # torch.compile each drafter layer on CUDA (fuses norms, RoPE, SwiGLU; ~16% faster steps, less memory).
     compile: bool = True
     # torch.compile mode of the drafter layers ("reduce-overhead" adds CUDA graphs, one per shape bucket).
@@ -80,6 +83,16 @@ class DrafterConfig:
             _require(bool(self.target_layer_ids), "drafter.target_layer_ids", "must name at least one layer")
             _require(min(self.target_layer_ids) >= 0, "drafter.target_layer_ids", "layer ids must be >= 0")
         _require(self.mask_token_id is None or self.mask_token_id >= 0, "drafter.mask_token_id", "must be >= 0")
+        _require(
+            self.init_layers_from_target is None or len(self.init_layers_from_target) == self.num_layers,
+            "drafter.init_layers_from_target",
+            "needs one target layer id per drafter layer",
+        )
+        _require(
+            self.init_from is None or self.init_layers_from_target is None,
+            "drafter.init_layers_from_target",
+            "cannot be combined with drafter.init_from (which already sets every weight)",
+        )
         _require(
             self.intermediate_size is None or self.intermediate_size >= 1, "drafter.intermediate_size", "must be >= 1"
         )

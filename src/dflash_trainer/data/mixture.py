@@ -272,6 +272,26 @@ def build_mixture(
     return kept, MixtureSummary(spec.name, rows, tally)
 
 
+def emphasise(prompts: Sequence[Prompt], weight_of: Callable[[Prompt], float], seed: str) -> list[Prompt]:
+    """The same prompts in a weighted random order: the first N are a weighted sample without replacement.
+
+    Each prompt draws u in (0, 1) from a hash of (`seed`, its id) and sorts by u ** (1 / weight),
+    largest first (Efraimidis and Spirakis): a prompt of weight 4 is about four times as likely as one of
+    weight 1 to be in any prefix. The order depends only on the seed and the ids, not on the input order, so a
+    mixture's weighted view is stable when an unrelated share changes. Weights must be > 0.
+    """
+
+    def key(prompt: Prompt) -> float:
+        weight = weight_of(prompt)
+        if not weight > 0:
+            raise ValueError(f"weight of {prompt.id!r} must be > 0, got {weight}")
+        digest = hashlib.blake2b(f"{seed}:{prompt.id}".encode(), digest_size=8).digest()
+        u = (int.from_bytes(digest, "little") + 1) / (2**64 + 1)  # in (0, 1): 0 ** (1/w) would tie
+        return u ** (1.0 / weight)
+
+    return sorted(prompts, key=key, reverse=True)
+
+
 # ----------------------------------------------------------------------------------------------------------
 # Cache
 

@@ -43,7 +43,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from ..config import RunConfig
+from ..config import ConfigError, RunConfig
 from ..data.sampler import BatchPlan
 from ..distributed.failure import FaultInjection
 from ..distributed.world import World
@@ -53,6 +53,7 @@ from ..model.config import DrafterModelConfig
 from ..model.drafter import DFlashDrafter
 from ..model.loss import LossMetrics, default_gamma, dflash_loss
 from ..model.noise import add_feature_noise, noise_std_at
+from ..model.target_init import copy_target_layers, resolve_layer_ids
 from ..target.capture import (
     FeatureCapture,
     TargetOutputs,
@@ -299,6 +300,8 @@ class Trainer:
             self.model_config = self.drafter.config
         else:
             self.drafter = DFlashDrafter(self.model_config).to(self.device)  # fp32 master weights
+            if self.config.drafter.init_layers_from_target is not None:
+                self._copy_target_layers(self.config.drafter.init_layers_from_target)
         if self.config.drafter.compile and self.device.type == "cuda":
             self.drafter.compile_layers(mode=self.config.drafter.compile_mode)
         self.sync = make_sync(
@@ -316,6 +319,20 @@ class Trainer:
         precision = self.config.train.precision
         use_bf16 = precision == "bf16" or (precision == "auto" and self.device.type == "cuda")
         self.autocast_dtype = torch.bfloat16 if use_bf16 else None
+
+    def _copy_target_layers(self, spec: list[int]) -> None:
+        layers = decoder_module(self.target.model).layers
+        try:
+            ids = resolve_layer_ids(spec, len(layers), self.model_config.num_hidden_layers)
+            copied = copy_target_layers(self.drafter, layers, ids)
+        except ValueError as error:
+            raise ConfigError(str(error)) from None
+        if not copied:
+            raise ConfigError(
+                f"drafter.init_layers_from_target: target layers of {type(layers[0]).__name__} have none of the "
+                "drafter's parameter names (an FP8 target? set target.fp8=false)"
+            )
+        self.log(f"drafter layers start from target layers {ids} ({len(copied)} tensors each)")
 
     def _setup_optimizer(self) -> None:
         # Fused AdamW (CUDA and CPU) takes `found_inf`, so a non-finite step is skipped on the device; FSDP2's
