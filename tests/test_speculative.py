@@ -3,6 +3,7 @@ drafter context bookkeeping, and the evaluation runner (report files, lossless c
 
 from __future__ import annotations
 
+import contextlib
 import json
 from pathlib import Path
 
@@ -536,6 +537,26 @@ def test_quick_tau_matches_the_decoding_loop(chat_target, prompt_file):
     lengths = [length for r in results for length in r.accepted_lengths]
     assert tau == pytest.approx(sum(lengths) / len(lengths))
     assert quick_tau(chat_target, drafter, datasets=[str(prompt_file)], num_prompts=3, max_new_tokens=10) == tau
+
+
+def test_quick_tau_runs_compiled_training_layers_eagerly(chat_target, prompt_file):
+    """The trainer compiles the drafter layers for training shapes; the periodic evaluation must not trace them
+    again (on an H200 that was 8 recompiles, dynamo's limit, and a minute per evaluation)."""
+    drafter = chat_drafter(chat_target, block_size=3)
+    prompts = load_prompt_set(str(prompt_file))
+    eager_tau = quick_tau(chat_target, drafter, prompts=prompts, max_new_tokens=10)
+    for layer in drafter.layers:
+        layer.compile(backend="eager", dynamic=True)
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    assert quick_tau(chat_target, drafter, prompts=prompts, max_new_tokens=10) == eager_tau
+    assert torch._dynamo.utils.counters["frames"]["total"] == 0
+    # The stance is restored: the compiled layers trace again outside the evaluation.
+    x = torch.zeros(1, 3, drafter.config.hidden_size)
+    with contextlib.suppress(Exception):  # the call's arguments are incomplete; only the tracing attempt matters
+        drafter.layers[0](x, x, None, None, None, "sdpa", None)
+    assert torch._dynamo.utils.counters["frames"]["total"] > 0
+    torch._dynamo.reset()
 
 
 def test_finished_datasets_survive_a_later_failure(chat_target, tmp_path, monkeypatch):

@@ -368,15 +368,19 @@ def quick_tau(
         prompts = [p for name in datasets for p in load_prompt_set(name, split="test", limit=num_prompts)]
     was_training = drafter.training
     drafter.eval()
+    # The training drafter's layers may be compiled for training shapes; decoding calls them with a cache and
+    # other shapes, which would recompile per layer until dynamo's limit (a minute lost per evaluation on an
+    # H200 with 5 layers). Eager here, hooks (FSDP2's) kept.
     try:
-        run = SpeculativeDecoder(
-            target.model,
-            drafter,
-            [prompt_token_ids(target.tokenizer, prompt) for prompt in prompts],
-            max_new_tokens=max_new_tokens,
-            stop_token_ids=target.stop_token_ids,
-            use_graphs=False,
-        ).run()
+        with torch.compiler.set_stance("force_eager"):
+            run = SpeculativeDecoder(
+                target.model,
+                drafter,
+                [prompt_token_ids(target.tokenizer, prompt) for prompt in prompts],
+                max_new_tokens=max_new_tokens,
+                stop_token_ids=target.stop_token_ids,
+                use_graphs=False,
+            ).run()
     finally:
         drafter.train(was_training)
     lengths = [length for result in run.results for length in result.accepted_lengths]
