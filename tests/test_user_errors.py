@@ -22,7 +22,6 @@ from transformers import PreTrainedTokenizerFast, Qwen3Config
 
 from dflash_trainer import cli
 from dflash_trainer.config import load_config
-from dflash_trainer.data import prepare as prepare_module
 from dflash_trainer.data.prepare import PrepareError, prepare
 from dflash_trainer.data.shards import ShardError, ShardWriter, check_shards_tokenizer, tokenizer_fingerprint
 from dflash_trainer.errors import StorageError, UserError
@@ -290,14 +289,17 @@ def write_chats(path: Path, contents: list[str]) -> Path:
 
 
 def test_a_tokenizer_error_names_the_line_or_is_skipped(tmp_path, tiny_chat_tokenizer, monkeypatch):
-    real = prepare_module.tokenize_conversation
+    # The encoder fails on one text: the batched encode fails as a whole, each text is then encoded alone, and
+    # only the record with that text is reported or skipped.
+    real_call = type(tiny_chat_tokenizer).__call__
 
-    def fragile(tokenizer, messages, **kwargs):
-        if "boom" in messages[-1]["content"]:
+    def fragile(self, text, *args, **kwargs):
+        texts = [text] if isinstance(text, str) else text
+        if any("boom" in t for t in texts):
             raise RuntimeError("tokenizer exploded")
-        return real(tokenizer, messages, **kwargs)
+        return real_call(self, text, *args, **kwargs)
 
-    monkeypatch.setattr(prepare_module, "tokenize_conversation", fragile)
+    monkeypatch.setattr(type(tiny_chat_tokenizer), "__call__", fragile)
     chats = write_chats(tmp_path / "chats.jsonl", ["w3 w4 w5", "boom", "w6 w7 w8"])
     with pytest.raises(PrepareError, match=r"chats\.jsonl:2: the tokenizer failed: RuntimeError: tokenizer exploded"):
         prepare([chats], tiny_chat_tokenizer, "tiny", tmp_path / "a")

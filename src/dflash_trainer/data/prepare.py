@@ -34,13 +34,15 @@ from dflash_trainer.data.chat import (
     RecordError,
     apply_reasoning_policy,
     normalize_record,
-    tokenize_conversation,
+    tokenize_conversations,
 )
 from dflash_trainer.data.shards import ShardWriter, tokenizer_fingerprint
 from dflash_trainer.errors import UserError
 
 DEFAULT_MIN_LOSS_TOKENS = 2
 DEFAULT_SAMPLES_PER_SHARD = 10000
+# Records tokenised per batched encode (the Rust tokenizer spreads a batch over the cores).
+TOKENIZE_BATCH = 512
 
 
 class PrepareError(UserError, ValueError):
@@ -244,38 +246,66 @@ def prepare(
         overwrite=overwrite,
         tokenizer_fingerprint=tokenizer_fingerprint(tokenizer),
     ) as writer:
+
+        def write(label: str, line_no: int, input_ids: list[int], loss_mask: list[int]) -> None:
+            num_loss_tokens = sum(loss_mask)
+            if max_seq_len is not None and len(input_ids) > max_seq_len:
+                dropped["too_long"] += 1
+            elif num_loss_tokens < min_loss_tokens:
+                dropped["too_few_loss_tokens"] += 1
+            else:
+                writer.add(f"{label}:{line_no}", input_ids, loss_mask)
+                summary.samples += 1
+                summary.tokens += len(input_ids)
+                summary.loss_tokens += num_loss_tokens
+
+        def flush(path: Path, label: str, pending: list[tuple[int, list[dict[str, str]] | RecordError | None]]) -> bool:
+            """Tokenise the pending records in one batch and handle them in input order; True once `limit` is
+            reached (records after it are neither counted nor written, as if never read)."""
+            batch = [messages for _, messages in pending if isinstance(messages, list)]
+            tokenized = iter(_tokenize_many(tokenizer, batch, keep_reasoning=keep_reasoning))
+            for line_no, messages in pending:
+                summary.records += 1
+                if messages is None:
+                    dropped["duplicate"] += 1
+                    continue
+                result = next(tokenized) if isinstance(messages, list) else messages
+                if isinstance(result, RecordError):
+                    problem = PrepareError(str(result), file=path, line=line_no, reason=result.reason)
+                    if on_error == "raise":
+                        raise problem from result
+                    skip(problem)
+                    continue
+                write(label, line_no, *result)
+                if limit is not None and summary.samples >= limit:
+                    return True
+            return False
+
+        done = False
         for path, label in zip(paths, labels, strict=True):
             records = read_chat_records(path, on_invalid=skip_invalid if on_error == "skip" else None)
+            # (line, messages to tokenise | the record's error | None for a duplicate), tokenised in batches.
+            pending: list[tuple[int, list[dict[str, str]] | RecordError | None]] = []
             for line_no, record in records:
-                summary.records += 1
                 try:
                     messages = normalize_record(record)
                     if dedup:
                         key = _conversation_key(messages, keep_reasoning=keep_reasoning)
                         if key in seen:
-                            dropped["duplicate"] += 1
+                            pending.append((line_no, None))
                             continue
                         seen.add(key)
-                    input_ids, loss_mask = _tokenize(tokenizer, messages, keep_reasoning=keep_reasoning)
+                    pending.append((line_no, messages))
                 except RecordError as error:
-                    problem = PrepareError(str(error), file=path, line=line_no, reason=error.reason)
-                    if on_error == "raise":
-                        raise problem from error
-                    skip(problem)
-                    continue
-                num_loss_tokens = sum(loss_mask)
-                if max_seq_len is not None and len(input_ids) > max_seq_len:
-                    dropped["too_long"] += 1
-                elif num_loss_tokens < min_loss_tokens:
-                    dropped["too_few_loss_tokens"] += 1
-                else:
-                    writer.add(f"{label}:{line_no}", input_ids, loss_mask)
-                    summary.samples += 1
-                    summary.tokens += len(input_ids)
-                    summary.loss_tokens += num_loss_tokens
-                if limit is not None and summary.samples >= limit:
-                    break
-            if limit is not None and summary.samples >= limit:
+                    pending.append((line_no, error))
+                if len(pending) >= TOKENIZE_BATCH:
+                    done = flush(path, label, pending)
+                    pending = []
+                    if done:
+                        break
+            if not done and pending:
+                done = flush(path, label, pending)
+            if done:
                 break
         summary.dropped = dict(dropped)
         summary.skipped = dict(skipped)
@@ -293,17 +323,20 @@ def _check_tokenizer_usable(tokenizer: PreTrainedTokenizerBase, name: str) -> No
         raise PrepareError(f"tokenizer of {name!r} has no chat template; use the target's instruct/chat variant")
 
 
-def _tokenize(
-    tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, str]], *, keep_reasoning: bool
-) -> tuple[list[int], list[int]]:
-    """`tokenize_conversation`, with anything the tokenizer or its template raises on this one conversation
-    turned into a RecordError (`tokenizer_error`), so that it is reported with its file and line, or skipped."""
-    try:
-        return tokenize_conversation(tokenizer, messages, keep_reasoning=keep_reasoning)
-    except RecordError:
-        raise
-    except Exception as error:  # tokenizers and jinja templates raise many types (and Rust panics as Exception)
-        raise RecordError("tokenizer_error", f"the tokenizer failed: {type(error).__name__}: {error}") from error
+def _tokenize_many(
+    tokenizer: PreTrainedTokenizerBase, conversations: list[list[dict[str, str]]], *, keep_reasoning: bool
+) -> list[tuple[list[int], list[int]] | RecordError]:
+    """`tokenize_conversations`, with anything the tokenizer or its template raised on a conversation turned into
+    a RecordError (`tokenizer_error`), so that it is reported with its file and line, or skipped."""
+    results: list[tuple[list[int], list[int]] | RecordError] = []
+    for result in tokenize_conversations(tokenizer, conversations, keep_reasoning=keep_reasoning):
+        if isinstance(result, Exception) and not isinstance(result, RecordError):
+            # tokenizers and jinja templates raise many types (and Rust panics as Exception)
+            error = RecordError("tokenizer_error", f"the tokenizer failed: {type(result).__name__}: {result}")
+            error.__cause__ = result
+            result = error
+        results.append(result)
+    return results
 
 
 def _input_labels(paths: list[Path]) -> list[str]:
