@@ -2,18 +2,19 @@
 # The experiment sweep of benchmarks/EXPERIMENTS.md: short training runs of the GPU recipe that each change one
 # thing, on the main job's regenerated data, every one evaluated on held-out GSM8K (24 prompts x 256 tokens, the
 # exported drafter, lossless check). Same step count for every run, so the rows compare what a fixed compute budget
-# buys. Runs several processes at once on one GPU (they share it: their tokens/s are not benchmarks).
+# buys. One process at a time by default: on 2026-11-30 four at once starved each other's (and the main job's) batch
+# workers of host CPU (benchmarks/EXPERIMENTS.md #4).
 #
 # Env: SWEEP_GPU (default 0), GPUS (1: wait for the main job to end first), RES (results folder), STEPS (default
-# 200), WAVE (processes at once, default 4), MAIN (the main job's repo copy, default $PWD).
+# 200), WAVE (processes at once, default 1), MAIN (the main job's repo copy, default $PWD).
 set -u
 SWEEP_GPU=${SWEEP_GPU:-0}
 GPUS=${GPUS:-1}
 RES=${RES:-/tmp/results}
 STEPS=${STEPS:-200}
-WAVE=${WAVE:-4}
+WAVE=${WAVE:-1}
 MAIN=${MAIN:-$PWD}
-SHARDS=$MAIN/data/smollm2-135m-mix40k
+SHARDS=$MAIN/data/smollm2-135m-mathmix44k
 CHATS=$SHARDS-chat
 WORK=/tmp/sweep
 mkdir -p "$WORK" "$RES/sweep"
@@ -25,8 +26,6 @@ if [ "$GPUS" -le 1 ]; then
   echo "one GPU: waiting for the main job to end"
   until [ -f "$RES/main.rc" ]; do sleep 10; done
 fi
-# On two GPUs the benchmarks run first on this GPU: do not time-share with them.
-until [ -f "$RES/benchmarks.rc" ]; do sleep 10; done
 
 regen=$(ls "$CHATS"/regen-*.jsonl | head -n 1)
 for size in 1000 10000; do
@@ -34,7 +33,8 @@ for size in 1000 10000; do
     --max-seq-len 1024 --on-error skip --limit "$size" > "$RES/sweep/prepare-$size.log" 2>&1
 done
 
-COMMON=(run_dir=PLACEHOLDER "train.max_steps=$STEPS" eval.every_steps=0 "eval.datasets=[gsm8k]" eval.num_prompts=24
+# Many epochs: `train.max_steps` ends every run at the same step, also on the 1K-prompt data.
+COMMON=(run_dir=PLACEHOLDER "train.max_steps=$STEPS" train.epochs=1000 eval.every_steps=0 "eval.datasets=[gsm8k]" eval.num_prompts=24
   checkpoint.every_steps=100000 metrics.plot_at_end=false metrics.progress_bar=false)
 # name | overrides (space separated)
 VARIANTS=(

@@ -324,3 +324,21 @@ def test_sampler_and_collate_on_a_dataset_cover_all_tokens() -> None:
         total_loss += int(batch.loss_mask.sum())
     assert total_tokens == dataset.stats.tokens
     assert total_loss == dataset.stats.loss_tokens
+
+
+def test_count_steps_plans_only_the_epochs_max_steps_needs() -> None:
+    from dflash_trainer.train.schedule import count_steps
+
+    class CountingSampler:
+        def __init__(self) -> None:
+            self.planned: list[int] = []
+
+        def batches_in_epoch(self, epoch: int) -> int:
+            self.planned.append(epoch)
+            return 10 + epoch % 2  # packing makes epoch sizes differ
+
+    sampler = CountingSampler()
+    assert count_steps(sampler, epochs=1000, micro_batches_per_step=2, max_steps=12) == 12
+    assert sampler.planned == [0, 1, 2]  # 5 + 6 steps, then 5 more reach 12
+    assert count_steps(CountingSampler(), epochs=3, micro_batches_per_step=2, max_steps=None) == 16
+    assert count_steps(CountingSampler(), epochs=3, micro_batches_per_step=2, max_steps=100) == 16

@@ -37,8 +37,14 @@ def step_groups(sampler: TokenBudgetSampler, *, epochs: int, micro_batches_per_s
 
 
 def count_steps(sampler: TokenBudgetSampler, *, epochs: int, micro_batches_per_step: int, max_steps: int | None) -> int:
-    total = sum(math.ceil(sampler.batches_in_epoch(epoch) / micro_batches_per_step) for epoch in range(epochs))
-    return total if max_steps is None else min(total, max_steps)
+    # Epochs are planned one by one (packing makes their sizes differ), and only until `max_steps` is reached:
+    # `train.epochs=1000 train.max_steps=200` must not plan a thousand epochs.
+    total = 0
+    for epoch in range(epochs):
+        total += math.ceil(sampler.batches_in_epoch(epoch) / micro_batches_per_step)
+        if max_steps is not None and total >= max_steps:
+            return max_steps
+    return total
 
 
 def drafter_slot(position: int, num_drafters: int) -> int:
