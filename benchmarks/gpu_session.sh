@@ -9,6 +9,7 @@
 # Stages (from the repo root on the device; carried folders in brackets):
 #   bash benchmarks/gpu_session.sh start     [.gguf1 .whl]   wheels, GGUF part 1, two copies of the tree
 #   CANDIDATE="k=v ..." bash benchmarks/gpu_session.sh main  [.gguf2 .mix]  GGUF part 2, the two jobs
+#   (or SWEEP=1: benchmarks/quality_sweep.sh on GPU 1, one run at a time, on the main job's data)
 #   bash benchmarks/gpu_session.sh wait S                    report every minute for up to S seconds
 #   bash benchmarks/gpu_session.sh collect                   pack logs and results (no weights) into $OUT
 #   [TESTS=...] bash benchmarks/gpu_session.sh hybrid [.fla]  the hybrid benchmark, then the GPU tests with fla
@@ -56,6 +57,11 @@ case "$STAGE" in
         date +%s > $RES/candidate.start && python3 -m dflash_trainer train prepare.source=$PROMPTS $CANDIDATE; \
         date +%s > $RES/candidate.end"
       echo "started: main job on GPU 0, candidate ($CANDIDATE) on GPU 1"
+    elif [ "$GPUS" -gt 1 ] && [ "${SWEEP:-0}" = 1 ]; then
+      # The experiment sweep, one run at a time on GPU 1, on the main job's data once it is written.
+      bg sweep "cd $REPO && export OMP_NUM_THREADS=8 PYTHONPATH=$REPO/src:$SITE SWEEP_GPU=1 GPUS=$GPUS RES=$RES && \
+        bash benchmarks/quality_sweep.sh"
+      echo "started: main job on GPU 0, sweep on GPU 1"
     else
       echo "started: main job on GPU 0"
     fi
@@ -70,7 +76,7 @@ case "$STAGE" in
         metrics=$(ls "$repo"/runs/*/metrics.jsonl 2>/dev/null | head -n 1)
         [ -n "$metrics" ] && echo "$repo metrics: $(tail -n 1 "$metrics" | cut -c1-240)"
       done
-      for job in main candidate hybrid; do
+      for job in main candidate sweep hybrid; do
         [ -f "$RES/$job.log" ] || continue
         state=running
         [ -f "$RES/$job.rc" ] && state="exit $(cat "$RES/$job.rc")"
@@ -79,7 +85,7 @@ case "$STAGE" in
       nvidia-smi --query-gpu=index,utilization.gpu,memory.used --format=csv,noheader | tr '\n' ' '
       echo
       done_all=1
-      for job in main candidate hybrid; do
+      for job in main candidate sweep hybrid; do
         [ -f "$RES/$job.log" ] && [ ! -f "$RES/$job.rc" ] && done_all=0
       done
       if [ "$done_all" = 1 ]; then

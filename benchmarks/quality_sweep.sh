@@ -40,12 +40,13 @@ COMMON=(run_dir=PLACEHOLDER "train.max_steps=$STEPS" train.epochs=1000 eval.ever
 VARIANTS=(
   "prompts-1k|data.train_shards=$WORK/data-1000"
   "prompts-10k|data.train_shards=$WORK/data-10000"
-  "prompts-40k|data.train_shards=$SHARDS"
-  "lr-1.2e-3|data.train_shards=$SHARDS optim.lr=1.2e-3"
-  "anchors-128|data.train_shards=$SHARDS data.max_anchors=128"
+  "prompts-44k|data.train_shards=$SHARDS"
+  "anchors-256|data.train_shards=$SHARDS data.max_anchors=256"
+  "lr-1.5e-3|data.train_shards=$SHARDS optim.lr=1.5e-3"
   "labels-soft|data.train_shards=$SHARDS loss.label_source=soft"
   "noise-uniform-0.1|data.train_shards=$SHARDS noise.type=uniform noise.start=0.1 noise.end=0.0"
   "dpace|data.train_shards=$SHARDS loss.weighting=dpace"
+  "fp8-target|data.train_shards=$SHARDS target.fp8=true"
 )
 
 run_variant() {  # name, overrides

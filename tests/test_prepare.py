@@ -191,6 +191,30 @@ def test_limit_stops_after_that_many_samples(tmp_path, tokenizer):
     assert (summary.records, summary.samples, len(load_shards(tmp_path / "out"))) == (2, 2, 2)
 
 
+@pytest.mark.parametrize("limit", [None, 4])
+def test_batch_size_does_not_change_the_result(tmp_path, tokenizer, monkeypatch, limit):
+    """Records are tokenised in batches: duplicates, bad records, the limit and the sample order must come out as
+    with one record at a time, whatever the batch boundaries."""
+    from dflash_trainer.data import prepare as prepare_module
+
+    records = [chat(f"Question {i}?", f"Answer {i}.") for i in range(9)]
+    records[3] = records[1]  # duplicate
+    records[5] = {"messages": [{"role": "user", "content": "Q"}]}  # no assistant turn
+    data = write_jsonl(tmp_path / "data.jsonl", records)
+    results = []
+    for batch in (1, 2, 512):
+        monkeypatch.setattr(prepare_module, "TOKENIZE_BATCH", batch)
+        out = tmp_path / f"out-{batch}"
+        summary = prepare([data], tokenizer, "t", out, on_error="skip", limit=limit)
+        dataset = load_shards(out)
+        samples = [
+            (s.id, s.input_ids.tolist(), s.loss_mask.tolist()) for s in (dataset[i] for i in range(len(dataset)))
+        ]
+        results.append((summary.records, summary.samples, summary.dropped, summary.skipped, samples))
+    assert results[0] == results[1] == results[2]
+    assert results[0][1] == (4 if limit else 7)
+
+
 def test_existing_output_is_kept_unless_overwrite(tmp_path, tokenizer):
     data = write_jsonl(tmp_path / "data.jsonl", [chat("Question?", "Answer.")])
     out = tmp_path / "out"

@@ -289,13 +289,13 @@ def prepare(
             for line_no, record in records:
                 try:
                     messages = normalize_record(record)
-                    if dedup:
-                        key = _conversation_key(messages, keep_reasoning=keep_reasoning)
-                        if key in seen:
-                            pending.append((line_no, None))
-                            continue
-                        seen.add(key)
-                    pending.append((line_no, messages))
+                    key = _conversation_key(messages, keep_reasoning=keep_reasoning) if dedup else None
+                    if key is not None and key in seen:
+                        pending.append((line_no, None))
+                    else:
+                        if key is not None:
+                            seen.add(key)
+                        pending.append((line_no, messages))
                 except RecordError as error:
                     pending.append((line_no, error))
                 if len(pending) >= TOKENIZE_BATCH:
