@@ -12,7 +12,8 @@
 #   (or SWEEP=1: benchmarks/quality_sweep.sh on GPU 1, one run at a time, on the main job's data)
 #   bash benchmarks/gpu_session.sh wait S                    report every minute for up to S seconds
 #   bash benchmarks/gpu_session.sh collect                   pack logs and results (no weights) into $OUT
-#   [TESTS=...] bash benchmarks/gpu_session.sh hybrid [.fla]  the hybrid benchmark, then the GPU tests with fla
+#   [TESTS=...] bash benchmarks/gpu_session.sh hybrid [.fla]  the hybrid benchmark with fla (the fallback was
+#                                                measured on 2026-11-30), then the GPU tests with fla
 # The device has no internet and none of the data packages: the jobs read the GPU recipe's prompts (the first
 # 48,000 of `mix-math:train`) from `.mix/mix-math-48k.jsonl.gz`, written here by
 #   python -m dflash_trainer.data.prompts mix-math --export .mix/mix-math-48k.jsonl.gz --limit 48000
@@ -114,7 +115,7 @@ case "$STAGE" in
     rm -rf /tmp/fla_whl && cp -r .fla /tmp/fla_whl
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/fla_site .fla/*.whl
     bg hybrid "cd $REPO && export PYTHONPATH=$REPO/src:$SITE OUT=$RES/hybrid && mkdir -p $RES/hybrid && \
-      python3 benchmarks/hybrid_bench.py --wheels /tmp/fla_whl && \
+      python3 benchmarks/hybrid_bench.py --wheels /tmp/fla_whl --kernels fla --child-timeout 300 && \
       PYTHONPATH=$REPO/src:$SITE:/tmp/fla_site timeout 240 python3 -m pytest -q -m gpu -p no:cacheprovider ${TESTS:-tests/}"
     echo "started: hybrid benchmark"
     ;;

@@ -115,7 +115,7 @@ def run_children(args: argparse.Namespace) -> int:
         return 2
     site = fla_site(args.wheels)
     results = {}
-    for kernels in ("fla", "torch"):
+    for kernels in args.kernels.split(","):
         if kernels == "fla" and site is None:
             results[kernels] = {
                 "error": f"flash-linear-attention not importable and no fla_core wheel in {args.wheels}"
@@ -326,7 +326,15 @@ def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--wheels", type=Path, default=REPO / ".whl", help="where fla_core-*.whl and einops-*.whl are")
     parser.add_argument("--rows", type=int, default=8, help="prompts decoded together in the decode phase")
-    parser.add_argument("--child-timeout", type=int, default=110)
+    parser.add_argument(
+        "--child-timeout",
+        type=int,
+        default=110,
+        help="seconds per child (on 2026-11-30 fla's first forward, with Triton's autotuning, used up 110 s)",
+    )
+    parser.add_argument(
+        "--kernels", default="fla,torch", choices=["fla,torch", "fla", "torch"], help="which children to run"
+    )
     parser.add_argument("--compile", action="store_true", help="compile the drafter layers and the loss (slower start)")
     parser.add_argument("--child", choices=["fla", "torch"], help=argparse.SUPPRESS)
     parser.add_argument("--child-out", type=Path, help=argparse.SUPPRESS)

