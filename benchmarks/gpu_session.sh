@@ -99,15 +99,20 @@ case "$STAGE" in
   collect)
     OUT=${OUT:-/tmp/out}
     mkdir -p "$OUT"
+    # Every job's log first, whatever state it ended in (a job that failed before training has no runs/).
+    for job in main candidate sweep hybrid; do
+      [ -f "$RES/$job.log" ] && tr '\r' '\n' < "$RES/$job.log" | grep -v '^\s*$' > "$OUT/$job.log"
+    done
     for pair in main:$REPO candidate:$REPO2; do
       job=${pair%%:*} repo=${pair#*:}
       [ -d "$repo/runs" ] || continue
       # Everything but weights and TensorBoard files (the $OUT size limit): metrics, eval reports, plots, config.
       tar czf "$OUT/$job-run.tgz" -C "$repo" --exclude='checkpoints' --exclude='export' --exclude='tb' \
         --exclude='*.safetensors' --exclude='shard-*' --exclude='regen-*.jsonl' --exclude='*.partial.jsonl' runs data
-      [ -f "$RES/$job.log" ] && tr '\r' '\n' < "$RES/$job.log" | grep -v '^\s*$' > "$OUT/$job.log"
     done
-    tar czf "$OUT/results.tgz" --exclude='*.log' -C "$RES" .
+    # The rest of $RES (sweep logs and summary, hybrid JSON, start/end stamps); the job logs are above.
+    tar czf "$OUT/results.tgz" --exclude='./main.log' --exclude='./candidate.log' --exclude='./sweep.log' \
+      --exclude='./hybrid.log' -C "$RES" .
     ls -la "$OUT"
     ;;
   hybrid)

@@ -21,7 +21,13 @@ mkdir -p "$WORK" "$RES/sweep"
 export CUDA_VISIBLE_DEVICES=$SWEEP_GPU
 
 echo "waiting for the main job's shards ($SHARDS)"
-until [ -f "$SHARDS/manifest.json" ]; do sleep 10; done
+until [ -f "$SHARDS/manifest.json" ]; do
+  if [ -f "$RES/main.rc" ]; then  # the main job ended without writing its shards: nothing to sweep on
+    echo "the main job ended (exit $(cat "$RES/main.rc")) without shards at $SHARDS"
+    exit 1
+  fi
+  sleep 10
+done
 if [ "$GPUS" -le 1 ]; then
   echo "one GPU: waiting for the main job to end"
   until [ -f "$RES/main.rc" ]; do sleep 10; done

@@ -200,6 +200,7 @@ def test_batch_size_does_not_change_the_result(tmp_path, tokenizer, monkeypatch,
     records = [chat(f"Question {i}?", f"Answer {i}.") for i in range(9)]
     records[3] = records[1]  # duplicate
     records[5] = {"messages": [{"role": "user", "content": "Q"}]}  # no assistant turn
+    records[7] = "not json"  # an unreadable line: handled in its place, not before the records ahead of it
     data = write_jsonl(tmp_path / "data.jsonl", records)
     results = []
     for batch in (1, 2, 512):
@@ -211,8 +212,12 @@ def test_batch_size_does_not_change_the_result(tmp_path, tokenizer, monkeypatch,
             (s.id, s.input_ids.tolist(), s.loss_mask.tolist()) for s in (dataset[i] for i in range(len(dataset)))
         ]
         results.append((summary.records, summary.samples, summary.dropped, summary.skipped, samples))
+        # Raising: the first bad line is named (line 6), never a later one read ahead (line 8).
+        with pytest.raises(PrepareError, match=r"data\.jsonl:6: "):
+            prepare([data], tokenizer, "t", tmp_path / f"raise-{batch}")
     assert results[0] == results[1] == results[2]
-    assert results[0][1] == (4 if limit else 7)
+    assert results[0][1] == (4 if limit else 6)
+    assert results[0][3] == ({} if limit else {"no_assistant_turn": 1, "invalid_json": 1})
 
 
 def test_existing_output_is_kept_unless_overwrite(tmp_path, tokenizer):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
@@ -53,6 +55,11 @@ def test_bad_layer_ids_and_sizes_are_refused(tiny_qwen3):
     narrow = _drafter_for(tiny_qwen3, num_layers=1, intermediate_size=8)
     with pytest.raises(ValueError, match="must keep the target's sizes"):
         copy_target_layers(narrow, layers, [0])
+    # A layer that stores a projection otherwise (FP8 weights, fused gate/up) is refused, not half-copied.
+    fused = copy.deepcopy(layers[0])
+    del fused.mlp.gate_proj
+    with pytest.raises(ValueError, match=r"has no mlp\.gate_proj\.weight"):
+        copy_target_layers(_drafter_for(tiny_qwen3, num_layers=1), torch.nn.ModuleList([fused]), [0])
 
 
 def test_trainer_starts_from_the_target_layers_and_config_checks_the_count(tmp_path):

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import bisect
 import re
-import weakref
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -270,7 +269,8 @@ def tokenize_conversations(
 
     The texts are encoded in one batch call, which the Rust tokenizer spreads over the host's cores (`prepare`
     spent most of its time in one-text encodes); the tokens are the same as one call per text. If the batch
-    call itself fails, each text is encoded alone so the error lands on its own conversation.
+    call itself fails (an exception or a Rust panic), each text is encoded alone so the error lands on its own
+    conversation. The template's end-of-turn token is found once per call.
     """
     if not getattr(tokenizer, "is_fast", False):
         raise TypeError("tokenize_conversation needs a fast tokenizer (character offsets locate the assistant tokens)")
@@ -288,8 +288,14 @@ def tokenize_conversations(
         except Exception as error:  # templates raise many types; the caller decides what a bad record means
             results[index] = error
     if rendered:
+        try:
+            # Once per call (a render and an encode): `prepare` calls with 512 conversations at a time.
+            end_of_turn_id = end_of_turn_token_id(tokenizer)
+        except Exception as error:  # the template rejects the probe conversation: every record says so
+            for index, *_ in rendered:
+                results[index] = error
+            return results
         encodings = _encode_each(tokenizer, [text for *_, text in rendered])
-        end_of_turn_id = end_of_turn_token_id(tokenizer)
         for (index, turns, open_turn, text), encoding in zip(rendered, encodings, strict=True):
             try:
                 if isinstance(encoding, Exception):
@@ -310,14 +316,20 @@ def _encode_each(
     try:
         batch = tokenizer(texts, add_special_tokens=False, return_offsets_mapping=True)
         return list(zip(batch["input_ids"], batch["offset_mapping"], strict=True))
-    except Exception:  # a Rust panic on one text fails the whole batch: find which
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except BaseException:  # an error (or a Rust panic: pyo3's PanicException) on one text fails the whole batch
         encoded: list[tuple[list[int], list[tuple[int, int]]] | Exception] = []
         for text in texts:
             try:
                 one = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
                 encoded.append((one["input_ids"], one["offset_mapping"]))
-            except Exception as error:
-                encoded.append(error)
+            except (KeyboardInterrupt, SystemExit):
+                raise
+            except BaseException as error:
+                encoded.append(
+                    error if isinstance(error, Exception) else RuntimeError(f"{type(error).__name__}: {error}")
+                )
         return encoded
 
 
@@ -390,24 +402,8 @@ def _first_truncated_turn(messages: Sequence[Mapping[str, Any]]) -> int | None:
     return next((i for i, m in enumerate(messages) if m["role"] == "assistant" and m.get("truncated") is True), None)
 
 
-# tokenizer -> (its chat template, the end-of-turn id found for it): `prepare` asks once per record.
-_END_OF_TURN: weakref.WeakKeyDictionary[PreTrainedTokenizerBase, tuple[str | None, int | None]] = (
-    weakref.WeakKeyDictionary()
-)
-
-
 def end_of_turn_token_id(tokenizer: PreTrainedTokenizerBase) -> int | None:
-    """The special token the chat template writes right after an assistant message, or None if there is none.
-    Found once per tokenizer and chat template (a render and an encode: a third of `prepare`'s time per record)."""
-    cached = _END_OF_TURN.get(tokenizer)
-    if cached is not None and cached[0] == tokenizer.chat_template:
-        return cached[1]
-    found = _find_end_of_turn_token_id(tokenizer)
-    _END_OF_TURN[tokenizer] = (tokenizer.chat_template, found)
-    return found
-
-
-def _find_end_of_turn_token_id(tokenizer: PreTrainedTokenizerBase) -> int | None:
+    """The special token the chat template writes right after an assistant message, or None if there is none."""
     probe = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": _PROBE_CONTENT}]
     rendered = _render(tokenizer, probe, add_generation_prompt=False)
     tail = rendered[rendered.rfind(_PROBE_CONTENT) + len(_PROBE_CONTENT) :]

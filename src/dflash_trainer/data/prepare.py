@@ -56,6 +56,11 @@ class PrepareError(UserError, ValueError):
         super().__init__(f"{_location(file, line)}: {problem}" if file is not None else problem)
 
 
+# What a line of input leaves for the batch: messages to tokenise, the record's error, the error of a line that
+# could not be read, or None for a duplicate.
+Pending = list[dict[str, str]] | RecordError | PrepareError | None
+
+
 def _location(file: str | Path | None, line: int | None) -> str:
     if line is None:
         return str(file)
@@ -233,10 +238,6 @@ def prepare(
         skipped[error.reason] += 1
         summary.examples.setdefault(error.reason, str(error))
 
-    def skip_invalid(error: PrepareError) -> None:
-        summary.records += 1
-        skip(error)
-
     with ShardWriter(
         out_dir,
         tokenizer_name,
@@ -259,8 +260,9 @@ def prepare(
                 summary.tokens += len(input_ids)
                 summary.loss_tokens += num_loss_tokens
 
-        def flush(path: Path, label: str, pending: list[tuple[int, list[dict[str, str]] | RecordError | None]]) -> bool:
-            """Tokenise the pending records in one batch and handle them in input order; True once `limit` is
+        def flush(path: Path, label: str, pending: list[tuple[int, Pending]]) -> bool:
+            """Tokenise the pending records in one batch and handle everything pending in input order (unreadable
+            lines too, so an error is raised for the first bad line, never a later one); True once `limit` is
             reached (records after it are neither counted nor written, as if never read)."""
             batch = [messages for _, messages in pending if isinstance(messages, list)]
             tokenized = iter(_tokenize_many(tokenizer, batch, keep_reasoning=keep_reasoning))
@@ -268,6 +270,11 @@ def prepare(
                 summary.records += 1
                 if messages is None:
                     dropped["duplicate"] += 1
+                    continue
+                if isinstance(messages, PrepareError):  # an unreadable line (invalid UTF-8 or JSON)
+                    if on_error == "raise":
+                        raise messages
+                    skip(messages)
                     continue
                 result = next(tokenized) if isinstance(messages, list) else messages
                 if isinstance(result, RecordError):
@@ -282,10 +289,15 @@ def prepare(
             return False
 
         done = False
+        # (line, what is pending there), tokenised and handled in batches; see `Pending`. One list for the run:
+        # the reader's callback appends unreadable lines to it.
+        pending: list[tuple[int, Pending]] = []
+
+        def queue_unreadable(problem: PrepareError) -> None:
+            pending.append((problem.line or 0, problem))
+
         for path, label in zip(paths, labels, strict=True):
-            records = read_chat_records(path, on_invalid=skip_invalid if on_error == "skip" else None)
-            # (line, messages to tokenise | the record's error | None for a duplicate), tokenised in batches.
-            pending: list[tuple[int, list[dict[str, str]] | RecordError | None]] = []
+            records = read_chat_records(path, on_invalid=queue_unreadable)
             for line_no, record in records:
                 try:
                     messages = normalize_record(record)
@@ -300,11 +312,12 @@ def prepare(
                     pending.append((line_no, error))
                 if len(pending) >= TOKENIZE_BATCH:
                     done = flush(path, label, pending)
-                    pending = []
+                    pending.clear()
                     if done:
                         break
             if not done and pending:
                 done = flush(path, label, pending)
+            pending.clear()
             if done:
                 break
         summary.dropped = dict(dropped)

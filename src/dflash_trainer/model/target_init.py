@@ -3,9 +3,10 @@
 Contract: `copy_target_layers(drafter, target_layers, layer_ids)` copies, for drafter layer i, the weights of
 target layer `layer_ids[i]`: the attention projections (q, k, v, o and their biases), the SwiGLU MLP (gate, up,
 down) and the two RMSNorm weights. Shapes must match exactly (the drafter takes the target's hidden, head and
-intermediate sizes by default); a mismatch is refused, naming the parameter. What the target lacks stays as
-`reset_parameters` made it: the per-head q/k norms (Qwen3 has them, Llama-style targets such as SmolLM2 do
-not: they start at 1), the context projection `fc` and the fused-context and final norms.
+intermediate sizes by default); a mismatch is refused, naming the parameter, and so is a target layer that
+stores a projection otherwise (FP8 weights, a fused gate_up_proj): never half a copy. Left as `reset_parameters`
+made them: the per-head q/k norms when the target has none (Llama-style targets such as SmolLM2: they start at 1),
+the context projection `fc` and the fused-context and final norms.
 
 Why: the training objective is unchanged (this is only a starting point), but a drafter trained for minutes
 starts from layers that already map residual-stream states to what the target's final norm and LM head read,
@@ -40,6 +41,8 @@ _COPIED = (
     "input_layernorm.weight",
     "post_attention_layernorm.weight",
 )
+# What a target may lack: Llama-style layers have no per-head q/k norms.
+_OPTIONAL = ("self_attn.q_norm.weight", "self_attn.k_norm.weight")
 
 
 def resolve_layer_ids(spec: Sequence[int], num_target_layers: int, num_drafter_layers: int) -> list[int]:
@@ -66,7 +69,17 @@ def copy_target_layers(drafter: DFlashDrafter, target_layers: nn.ModuleList, lay
     copied: list[str] = []
     for drafter_index, target_index in enumerate(layer_ids):
         source = dict(target_layers[target_index].named_parameters())
-        for name, param in drafter.layers[drafter_index].named_parameters():
+        own = dict(drafter.layers[drafter_index].named_parameters())
+        # Every projection and norm must come from the target (only the per-head q/k norms may be missing): a
+        # target whose layers store them otherwise (FP8 weights, a fused gate_up_proj) is refused, not half-copied.
+        missing = [name for name in _COPIED if name in own and name not in source and name not in _OPTIONAL]
+        if missing:
+            raise ValueError(
+                f"drafter.init_layers_from_target: target layer {target_index} "
+                f"({type(target_layers[target_index]).__name__}) has no {', '.join(missing)}: its weights are not "
+                "stored as the drafter's are (an FP8 target? fused projections?)"
+            )
+        for name, param in own.items():
             if name not in _COPIED or name not in source:
                 continue
             weight = source[name]

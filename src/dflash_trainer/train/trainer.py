@@ -327,11 +327,6 @@ class Trainer:
             copied = copy_target_layers(self.drafter, layers, ids)
         except ValueError as error:
             raise ConfigError(str(error)) from None
-        if not copied:
-            raise ConfigError(
-                f"drafter.init_layers_from_target: target layers of {type(layers[0]).__name__} have none of the "
-                "drafter's parameter names (an FP8 target? set target.fp8=false)"
-            )
         self.log(f"drafter layers start from target layers {ids} ({len(copied)} tensors each)")
 
     def _setup_optimizer(self) -> None:
