@@ -297,12 +297,12 @@ def tokenize_conversations(
             return results
         encodings = _encode_each(tokenizer, [text for *_, text in rendered])
         for (index, turns, open_turn, text), encoding in zip(rendered, encodings, strict=True):
+            if isinstance(encoding, Exception):
+                results[index] = encoding
+                continue
             try:
-                if isinstance(encoding, Exception):
-                    raise encoding
-                input_ids, offsets = encoding
                 results[index] = _mark_assistant_tokens(
-                    tokenizer, turns, open_turn, text, input_ids, offsets, end_of_turn_id, max_length
+                    tokenizer, turns, open_turn, text, *encoding, end_of_turn_id, max_length
                 )
             except Exception as error:
                 results[index] = error

@@ -344,7 +344,7 @@ def _tokenize_many(
     results: list[tuple[list[int], list[int]] | RecordError] = []
     for result in tokenize_conversations(tokenizer, conversations, keep_reasoning=keep_reasoning):
         if isinstance(result, Exception) and not isinstance(result, RecordError):
-            # tokenizers and jinja templates raise many types (and Rust panics as Exception)
+            # tokenizers and jinja templates raise many types (Rust panics arrive as RuntimeError)
             error = RecordError("tokenizer_error", f"the tokenizer failed: {type(result).__name__}: {result}")
             error.__cause__ = result
             result = error

@@ -23,7 +23,7 @@ from torch import nn
 
 from .drafter import DFlashDrafter
 
-# Drafter parameter name -> the name of the same weight in a Llama/Qwen-style HF decoder layer.
+# Parameters copied: the drafter layer's names are those of a Llama/Qwen-style HF decoder layer.
 _COPIED = (
     "self_attn.q_proj.weight",
     "self_attn.q_proj.bias",
