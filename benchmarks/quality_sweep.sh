@@ -14,7 +14,7 @@ RES=${RES:-/tmp/results}
 STEPS=${STEPS:-200}
 WAVE=${WAVE:-1}
 MAIN=${MAIN:-$PWD}
-SHARDS=$MAIN/data/smollm2-135m-mathmix44k
+SHARDS=$MAIN/data/smollm2-135m-mathmix48k-256
 CHATS=$SHARDS-chat
 WORK=/tmp/sweep
 mkdir -p "$WORK" "$RES/sweep"
