@@ -4,7 +4,8 @@
 #   paper setting:  random Qwen3-8B-shaped target, packed 8192-token rows (recipes/bench-qwen3-8b.yaml)
 #   SmolLM2 setting: random SmolLM2-135M-shaped target, the GPU recipe's batch shape (recipes/bench-smollm2.yaml)
 # Each ablation is one more end-to-end phase in the same process with one optimisation switched off.
-# STEPS / WARMUP override the step counts; ABLATIONS=0 runs the baselines only.
+# STEPS / WARMUP override the step counts; ABLATIONS=0 runs the baselines only; KERNELS=N also prints each phase's
+# N kernels with the most device time (bench --kernels) and writes its Chrome trace under $OUT/traces-<setting>/.
 set -u
 OUT=${OUT:-/tmp/train_bench}
 STEPS=${STEPS:-8}
@@ -33,9 +34,12 @@ fi
 run() {  # name, recipe, ablations...
   local name=$1 recipe=$2
   shift 2
+  local kernels=()
+  if [ "${KERNELS:-0}" != 0 ]; then kernels=(--kernels "$KERNELS" --trace-dir "$OUT/traces-$name"); fi
   echo "=== $name"
-  timeout 200 python3 -m dflash_trainer bench "$recipe" --steps "$STEPS" --warmup "$WARMUP" "$@" \
-    --out "$OUT/$name.json" 2>&1 | grep -v "Loading weights" | tee "$OUT/$name.log" | grep -E "^bench:|ms/step|stages|Error|error" 
+  timeout 200 python3 -m dflash_trainer bench "$recipe" --steps "$STEPS" --warmup "$WARMUP" "$@" ${kernels[@]+"${kernels[@]}"} \
+    --out "$OUT/$name.json" 2>&1 | grep -v "Loading weights" | tee "$OUT/$name.log" \
+    | grep -E "^bench:|ms/step|stages|kernels busy| ms +[0-9.]+ % |Error|error"
 }
 run paper recipes/bench-qwen3-8b.yaml "${PAPER_ABLATIONS[@]}"
 run smollm2 recipes/bench-smollm2.yaml "${SMOLLM2_ABLATIONS[@]}"

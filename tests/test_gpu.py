@@ -105,7 +105,8 @@ def test_compiled_loss_on_gpu_matches_the_cpu_reference(label_source, weighting)
     options = dict(gamma=7.0, weighting=weighting, label_source=label_source, chunk_blocks=16)
     results = {}
     for name, device, dtype, compile in (("cpu", "cpu", torch.float64, False), ("gpu", "cuda", torch.bfloat16, True)):
-        h = hidden.to(device, dtype).requires_grad_(True)
+        # detach: on the CPU pass `.to` returns `hidden` itself, which must not become the GPU pass's autograd root.
+        h = hidden.to(device, dtype).detach().requires_grad_(True)
         out = dflash_loss(
             h,
             weight.to(device, dtype),
@@ -138,8 +139,9 @@ def test_gpu_step_has_no_recompiles_after_the_first_shapes(tmp_path):
     target = save_tiny_target(tmp_path / "target")
     shards = write_counting_shards(tmp_path / "shards", num_samples=96)
     recipe = write_recipe(tmp_path / "r.yaml", tmp_path / "run", target, shards, train={"max_steps": 12})
-    # Buckets finer than the GPU default (128 tokens, 16 anchors), so that these short rows meet several shapes.
-    overrides = ["target.device=cuda", "data.seq_multiple=16", "data.anchor_multiple=4"]
+    # Buckets finer than the GPU default (128 tokens, 16 anchors) and rows of up to 96 tokens, so that these short
+    # documents meet several shapes (rows of 64 tokens are always full: one shape, checked on CPU).
+    overrides = ["target.device=cuda", "data.seq_multiple=16", "data.anchor_multiple=4", "data.max_seq_len=96"]
     trainer = Trainer(load_config(recipe, overrides), log=lambda _: None)
     trainer.start_log_window()
     shapes, compiled_at = [], []

@@ -17,7 +17,10 @@ Phases, each through the trainer's own step (`Trainer._optimizer_step`):
 
 Per phase: median step time, target tokens/s, MFU, peak memory, the first step's time (compilation), the number
 of dynamo compilations after warm-up (any is a recompile), and the per-stage profile of a few more steps run with
-the stage profiler on (it synchronises after every stage, so those steps are slower; the shares are what count).
+the stage profiler on (it synchronises after every stage, so those steps are slower; the shares are what count),
+and with `--kernels N` the N kernels that take the most device time over a few more steps, run under
+`torch.profiler` (`kernel_profile.py`: busy time against step time, then ms, share and calls per kernel;
+`--trace-dir` also writes each phase's Chrome trace).
 Timing follows benchmarks/METHOD: warm-up steps first, then the median of timed steps, each bracketed by device
 synchronisation. Results go to stdout and, with `--out`, to a JSON file.
 """
@@ -39,6 +42,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from .config import RunConfig, load_config
 from .data.shards import ShardWriter
+from .kernel_profile import KernelProfile, format_profile, profile_kernels
 from .target.loader import LoadedTarget
 from .train.metrics import measured_peak_flops
 from .train.profiler import StageProfiler
@@ -91,6 +95,8 @@ class PhaseResult:
     recompiles_after_warmup: int
     # Stage -> average ms per step over the profiled steps.
     stages_ms: dict[str, float] = field(default_factory=dict)
+    # The top kernels over PROFILED_STEPS more steps (`--kernels`), None when not asked for.
+    kernel_profile: KernelProfile | None = None
 
 
 @dataclass
@@ -158,7 +164,15 @@ def compiled_frames() -> int:
 
 
 def time_steps(
-    trainer: Trainer, works: Iterator[StepWork], *, warmup: int, steps: int, name: str, drafter_only: bool = False
+    trainer: Trainer,
+    works: Iterator[StepWork],
+    *,
+    warmup: int,
+    steps: int,
+    name: str,
+    drafter_only: bool = False,
+    kernels: int = 0,
+    trace_path: Path | None = None,
 ) -> PhaseResult:
     device = trainer.device
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
@@ -206,6 +220,12 @@ def time_steps(
     trainer._settle_flags()
     stages = {stage: 1e3 * stats.sum_s / PROFILED_STEPS for stage, stats in trainer.profiler.summary().items()}
     trainer.profiler = real_profiler
+    kernel_profile = None
+    if kernels > 0:
+        kernel_profile = profile_kernels(
+            lambda: run(next(works)), steps=PROFILED_STEPS, device=device, top=kernels, trace_path=trace_path
+        )
+        trainer._settle_flags()
     return PhaseResult(
         name=name,
         step_ms_median=median * 1e3,
@@ -218,6 +238,7 @@ def time_steps(
         first_step_s=first_step_s,
         recompiles_after_warmup=recompiles,
         stages_ms=stages,
+        kernel_profile=kernel_profile,
     )
 
 
@@ -259,6 +280,8 @@ def run_bench(
     warmup: int,
     out: Path | None = None,
     ablations: list[str] = (),
+    kernels: int = 0,
+    trace_dir: Path | None = None,
 ) -> list[PhaseResult]:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -266,8 +289,8 @@ def run_bench(
     with tempfile.TemporaryDirectory() as tmp:
         probe = bench_config(recipe, overrides, Path(tmp) / "shards", Path(tmp) / "run")
         setting = setting_for(probe)
-        # Enough steps for the end-to-end phases: warm-up, timed and profiled steps, and some slack.
-        groups = 2 * (warmup + steps + PROFILED_STEPS + 2)
+        # Enough steps for the end-to-end phases: warm-up, timed, stage- and kernel-profiled steps, and some slack.
+        groups = 2 * (warmup + steps + 2 * PROFILED_STEPS + 2)
         shards = write_synthetic_shards(
             Path(tmp) / "shards", setting=setting, groups=groups, vocab=setting.architecture["vocab_size"]
         )
@@ -295,13 +318,20 @@ def run_bench(
                         steps=steps,
                         name="drafter_only",
                         drafter_only=True,
+                        kernels=kernels,
+                        trace_path=trace_dir / "drafter_only.json" if trace_dir else None,
                     )
                 )
                 trainer = Trainer(config, target=target, log=print)
                 trainer.start_log_window()
             phase = "end_to_end" + (f"[{name}]" if name else "")
             steps_iter = live_steps(trainer)
-            results.append(time_steps(trainer, steps_iter, warmup=warmup, steps=steps, name=phase))
+            trace_path = trace_dir / f"{name or 'end_to_end'}.json" if trace_dir else None
+            results.append(
+                time_steps(
+                    trainer, steps_iter, warmup=warmup, steps=steps, name=phase, kernels=kernels, trace_path=trace_path
+                )
+            )
             steps_iter.close()
     print_table(results)
     if out is not None:
@@ -319,3 +349,6 @@ def print_table(results: list[PhaseResult]) -> None:
         )
         stages = " ".join(f"{stage} {ms:.1f}" for stage, ms in sorted(r.stages_ms.items(), key=lambda kv: -kv[1]))
         print(f"{'':>32}  stages (ms/step, profiled): {stages}")
+        if r.kernel_profile is not None:
+            for line in format_profile(r.kernel_profile, r.step_ms_median):
+                print(f"{'':>32}  {line}")

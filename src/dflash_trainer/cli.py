@@ -26,6 +26,8 @@ DEFAULT_RECIPE = "smollm2-135m"
 # What `train` runs without a recipe on a machine with a CUDA device.
 DEFAULT_GPU_RECIPE = "smollm2-135m-gpu"
 DEFAULT_BENCH_RECIPE = "bench-qwen3-8b"
+# Kernels listed per phase when only --trace-dir asks for the kernel profile.
+DEFAULT_TOP_KERNELS = 20
 # Subcommands whose positionals (recipe, overrides) may come after options.
 INTERMIXED = ("train", "bench")
 BUG_REPORT = (
@@ -195,6 +197,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from .bench import run_bench
 
     recipe, overrides = split_recipe_and_overrides(args.items)
+    if args.kernels < 0:
+        raise ConfigError(f"bench --kernels: expected a count >= 0, got {args.kernels}")
+    if args.trace_dir is not None and args.kernels == 0:
+        args.kernels = DEFAULT_TOP_KERNELS  # a trace is taken by the kernel profile: it implies one
     run_bench(
         recipe=resolve_recipe(recipe or DEFAULT_BENCH_RECIPE),
         overrides=overrides,
@@ -202,6 +208,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         warmup=args.warmup,
         out=args.out,
         ablations=args.ablation,
+        kernels=args.kernels,
+        trace_dir=args.trace_dir,
     )
     return 0
 
@@ -292,6 +300,18 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
     bench.add_argument(
         "--ablation", action="append", default=[], help="NAME:key=value,...: one more end-to-end phase with these"
+    )
+    bench.add_argument(
+        "--kernels",
+        type=int,
+        default=0,
+        help="print the N kernels with the most device time per phase (torch.profiler)",
+    )
+    bench.add_argument(
+        "--trace-dir",
+        type=Path,
+        default=None,
+        help="write each phase's Chrome trace of the kernel profile here (implies --kernels 20)",
     )
     bench.set_defaults(run=cmd_bench)
     return parser
