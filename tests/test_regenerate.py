@@ -153,6 +153,21 @@ def test_replies_are_exactly_the_targets_greedy_replies(stopping_target, tmp_pat
     assert not (tmp_path / "out" / regen.JOURNAL_FILE).exists()
 
 
+def test_prompt_batches_change_nothing(stopping_target, tmp_path, monkeypatch):
+    """First-turn prompts are tokenised in batches of PROMPT_BATCH: batches of 2 (boundaries inside the list, a
+    too-long prompt among them) write what one batch writes, and each prompt is what it is tokenised alone."""
+    prefixes = [m[: regen._assistant_slots(m)[0]] for m in map(_messages, CONVERSATIONS)]
+    alone = [regen.chat_prompt_ids(stopping_target, messages) for messages in prefixes]
+    assert regen.chat_prompt_ids_batch(stopping_target, prefixes) == alone
+    longest = max(len(ids) for ids in alone)
+    settings = dict(max_new_tokens=MAX_NEW_TOKENS, batch_size=2, progress=False, max_prompt_tokens=longest - 1)
+    whole = regenerate(CONVERSATIONS, stopping_target, tmp_path / "whole", **settings)
+    monkeypatch.setattr(regen, "PROMPT_BATCH", 2)
+    pairs = regenerate(CONVERSATIONS, stopping_target, tmp_path / "pairs", **settings)
+    assert _read_output(tmp_path / "pairs") == _read_output(tmp_path / "whole")
+    assert pairs.dropped == whole.dropped and whole.dropped["prompt_too_long"] >= 1
+
+
 def test_cut_replies_are_dropped_on_request(stopping_target, tmp_path):
     summary = regenerate(
         CONVERSATIONS,
