@@ -9,7 +9,10 @@
 # Stages (from the repo root on the device; carried folders in brackets):
 #   bash benchmarks/gpu_session.sh start     [.gguf1 .whl]   wheels, GGUF part 1, two copies of the tree
 #   CANDIDATE="k=v ..." bash benchmarks/gpu_session.sh main  [.gguf2 .mix]  GGUF part 2, the two jobs
-#   (or SWEEP=1: benchmarks/quality_sweep.sh on GPU 1, one run at a time, on the main job's data)
+#   (MAIN_OVERRIDES="k=v ..." changes the GPU 0 job too, e.g. to try a recipe change there while GPU 1 sweeps)
+#   (or SWEEP=1: benchmarks/quality_sweep.sh on GPU 1, one run at a time, on the main job's data; with
+#   BENCH_FIRST=smollm2 (or paper,smollm2) GPU 1 first runs benchmarks/train_bench.sh with the kernel profile
+#   while GPU 0 regenerates: the sweep waits for the main job's shards anyway)
 #   bash benchmarks/gpu_session.sh wait S                    report every minute for up to S seconds
 #   bash benchmarks/gpu_session.sh collect                   pack logs and results (no weights) into $OUT
 #   [TESTS=...] bash benchmarks/gpu_session.sh hybrid [.fla]  the hybrid benchmark with fla (the fallback was
@@ -51,7 +54,8 @@ case "$STAGE" in
     cp .mix/*.jsonl.gz /tmp/
     # The main job: the README's GPU command, with the exported prompts instead of the (absent) data packages.
     bg main "cd $REPO && export CUDA_VISIBLE_DEVICES=0 OMP_NUM_THREADS=8 PYTHONPATH=$REPO/src:$SITE && \
-      date +%s > $RES/main.start && python3 -m dflash_trainer train prepare.source=$PROMPTS; date +%s > $RES/main.end"
+      date +%s > $RES/main.start && python3 -m dflash_trainer train prepare.source=$PROMPTS ${MAIN_OVERRIDES:-}; \
+      date +%s > $RES/main.end"
     if [ "$GPUS" -gt 1 ] && [ -n "${CANDIDATE:-}" ]; then
       echo "$CANDIDATE" > "$RES/candidate.overrides"
       bg candidate "cd $REPO2 && export CUDA_VISIBLE_DEVICES=1 OMP_NUM_THREADS=8 PYTHONPATH=$REPO2/src:$SITE && \
@@ -60,9 +64,14 @@ case "$STAGE" in
       echo "started: main job on GPU 0, candidate ($CANDIDATE) on GPU 1"
     elif [ "$GPUS" -gt 1 ] && [ "${SWEEP:-0}" = 1 ]; then
       # The experiment sweep, one run at a time on GPU 1, on the main job's data once it is written.
+      bench=""
+      if [ -n "${BENCH_FIRST:-}" ]; then
+        bench="CUDA_VISIBLE_DEVICES=1 OUT=$RES/train_bench KERNELS=25 ABLATIONS=0 STEPS=6 WARMUP=3 \
+          SETTINGS=$BENCH_FIRST timeout 420 bash benchmarks/train_bench.sh > $RES/train_bench.log 2>&1;"
+      fi
       bg sweep "cd $REPO && export OMP_NUM_THREADS=8 PYTHONPATH=$REPO/src:$SITE SWEEP_GPU=1 GPUS=$GPUS RES=$RES && \
-        bash benchmarks/quality_sweep.sh"
-      echo "started: main job on GPU 0, sweep on GPU 1"
+        $bench bash benchmarks/quality_sweep.sh"
+      echo "started: main job on GPU 0, ${BENCH_FIRST:+train_bench ($BENCH_FIRST) then }sweep on GPU 1"
     else
       echo "started: main job on GPU 0"
     fi

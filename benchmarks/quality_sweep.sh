@@ -6,12 +6,13 @@
 # workers of host CPU (benchmarks/EXPERIMENTS.md #4).
 #
 # Env: SWEEP_GPU (default 0), GPUS (1: wait for the main job to end first), RES (results folder), STEPS (default
-# 200), WAVE (processes at once, default 1), MAIN (the main job's repo copy, default $PWD).
+# 600: about 3 minutes a row on an H200), WAVE (processes at once, default 1), MAIN (the main job's repo copy,
+# default $PWD). Each finished row is appended to $RES/sweep/rows.jsonl at once, so a sweep cut short keeps its rows.
 set -u
 SWEEP_GPU=${SWEEP_GPU:-0}
 GPUS=${GPUS:-1}
 RES=${RES:-/tmp/results}
-STEPS=${STEPS:-200}
+STEPS=${STEPS:-600}
 WAVE=${WAVE:-1}
 MAIN=${MAIN:-$PWD}
 SHARDS=$MAIN/data/smollm2-135m-mathmix48k-256
@@ -42,25 +43,47 @@ done
 # Many epochs: `train.max_steps` ends every run at the same step, also on the 1K-prompt data.
 COMMON=(run_dir=PLACEHOLDER "train.max_steps=$STEPS" train.epochs=1000 eval.every_steps=0 "eval.datasets=[gsm8k]" eval.num_prompts=24
   checkpoint.every_steps=100000 metrics.plot_at_end=false metrics.progress_bar=false)
-# name | overrides (space separated)
+# name | overrides (space separated). In the order the next device session needs them: the base row first (every
+# other row is read against it), then FP8 (issue 10 asks for its effect on tau), label source, anchors, data size.
 VARIANTS=(
-  "prompts-1k|data.train_shards=$WORK/data-1000"
-  "prompts-10k|data.train_shards=$WORK/data-10000"
-  "prompts-44k|data.train_shards=$SHARDS"
-  "anchors-256|data.train_shards=$SHARDS data.max_anchors=256"
-  "lr-1.5e-3|data.train_shards=$SHARDS optim.lr=1.5e-3"
+  "base|data.train_shards=$SHARDS"
+  "fp8-target|data.train_shards=$SHARDS target.fp8=true"
   "labels-soft|data.train_shards=$SHARDS loss.label_source=soft"
+  "anchors-64|data.train_shards=$SHARDS data.max_anchors=64"
+  "prompts-10k|data.train_shards=$WORK/data-10000"
+  "prompts-1k|data.train_shards=$WORK/data-1000"
   "noise-uniform-0.1|data.train_shards=$SHARDS noise.type=uniform noise.start=0.1 noise.end=0.0"
   "dpace|data.train_shards=$SHARDS loss.weighting=dpace"
-  "fp8-target|data.train_shards=$SHARDS target.fp8=true"
 )
+
+summarise() {  # name, exit status, seconds: one JSON line into $RES/sweep/rows.jsonl
+  python3 - "$WORK/runs/$1" "$1" "$2" "$3" >> "$RES/sweep/rows.jsonl" <<'PY'
+import json, sys
+from pathlib import Path
+run, name = Path(sys.argv[1]), sys.argv[2]
+row = {"name": name, "exit": int(sys.argv[3]), "seconds": int(sys.argv[4])}
+report = run / "eval" / "eval.json"
+if report.is_file():
+    for ds in json.loads(report.read_text()).get("datasets", []):
+        row[f"{ds['name']}_tau"] = ds.get("tau")
+        row[f"{ds['name']}_tau_per_prompt"] = ds.get("tau_per_prompt")
+metrics = run / "metrics.jsonl"
+if metrics.is_file():
+    logged = [json.loads(line) for line in metrics.read_text().splitlines() if '"loss"' in line]
+    if logged:
+        row.update(step=logged[-1].get("step"), train_tau=logged[-1].get("tau"), loss=logged[-1].get("loss"))
+print(json.dumps(row))
+PY
+}
 
 run_variant() {  # name, overrides
   local name=$1 overrides=$2 start=$SECONDS
   local args=("${COMMON[@]/run_dir=PLACEHOLDER/run_dir=$WORK/runs/$name}")
   # shellcheck disable=SC2086
   python3 -m dflash_trainer train smollm2-135m-gpu "${args[@]}" $overrides > "$RES/sweep/$name.log" 2>&1
-  echo "$name exit $? after $((SECONDS - start)) s"
+  local status=$?
+  echo "$name exit $status after $((SECONDS - start)) s"
+  summarise "$name" "$status" "$((SECONDS - start))"
 }
 
 running=0
@@ -74,26 +97,5 @@ for variant in "${VARIANTS[@]}"; do
 done
 wait
 
-python3 - "$WORK/runs" "$RES/sweep/summary.json" <<'PY'
-import json, sys
-from pathlib import Path
-rows = []
-for run in sorted(Path(sys.argv[1]).iterdir()):
-    report = run / "eval" / "eval.json"
-    metrics = run / "metrics.jsonl"
-    row = {"name": run.name}
-    if report.is_file():
-        data = json.loads(report.read_text())
-        for ds in data.get("datasets", []):
-            row[f"{ds['name']}_tau"] = ds.get("tau")
-            row[f"{ds['name']}_tau_per_prompt"] = ds.get("tau_per_prompt")
-    if metrics.is_file():
-        last = [json.loads(line) for line in metrics.read_text().splitlines() if '"loss"' in line]
-        if last:
-            row["train_tau"] = last[-1].get("tau")
-            row["loss"] = last[-1].get("loss")
-    rows.append(row)
-Path(sys.argv[2]).write_text(json.dumps(rows, indent=2))
-for row in rows:
-    print(row)
-PY
+echo "sweep done: $RES/sweep/rows.jsonl"
+cat "$RES/sweep/rows.jsonl"

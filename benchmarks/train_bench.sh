@@ -5,7 +5,8 @@
 #   SmolLM2 setting: random SmolLM2-135M-shaped target, the GPU recipe's batch shape (recipes/bench-smollm2.yaml)
 # Each ablation is one more end-to-end phase in the same process with one optimisation switched off.
 # STEPS / WARMUP override the step counts; ABLATIONS=0 runs the baselines only; KERNELS=N also prints each phase's
-# N kernels with the most device time (bench --kernels) and writes its Chrome trace under $OUT/traces-<setting>/.
+# N kernels with the most device time (bench --kernels), and TRACES=1 writes their Chrome traces under
+# $OUT/traces-<setting>/ (tens of MB each); SETTINGS=smollm2 (or paper) runs one setting only.
 set -u
 OUT=${OUT:-/tmp/train_bench}
 STEPS=${STEPS:-8}
@@ -35,7 +36,9 @@ run() {  # name, recipe, ablations...
   local name=$1 recipe=$2
   shift 2
   local kernels=()
-  if [ "${KERNELS:-0}" != 0 ]; then kernels=(--kernels "$KERNELS" --trace-dir "$OUT/traces-$name"); fi
+  if [ "${KERNELS:-0}" != 0 ]; then kernels=(--kernels "$KERNELS"); fi
+  if [ "${TRACES:-0}" = 1 ]; then kernels+=(--trace-dir "$OUT/traces-$name"); fi
+  case ",${SETTINGS:-paper,smollm2}," in *",$name,"*) ;; *) return ;; esac
   echo "=== $name"
   timeout 200 python3 -m dflash_trainer bench "$recipe" --steps "$STEPS" --warmup "$WARMUP" "$@" ${kernels[@]+"${kernels[@]}"} \
     --out "$OUT/$name.json" 2>&1 | grep -v "Loading weights" | tee "$OUT/$name.log" \
