@@ -311,7 +311,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--trace-dir",
         type=Path,
         default=None,
-        help="write each phase's Chrome trace of the kernel profile here (implies --kernels 20)",
+        help=f"write each phase's Chrome trace of the kernel profile here (implies --kernels {DEFAULT_TOP_KERNELS})",
     )
     bench.set_defaults(run=cmd_bench)
     return parser

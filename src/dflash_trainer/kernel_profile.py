@@ -4,8 +4,12 @@ Contract: `profile_kernels(run, steps=S, device=D, top=N)` calls `run()` S times
 caller's warm-up: nothing here compiles or warms up) and returns a `KernelProfile`:
 - on CUDA, the device kernels (events whose device type is CUDA: GEMMs, Triton kernels, flex attention, copies)
   ranked by their own device time, with `busy_ms_per_step` the sum over every kernel. Only kernel events are
-  counted, never the CPU ops that launched them (whose device time is the same time seen again);
-- on CPU, the aten ops ranked by their own CPU time (the CPU is the device there).
+  counted: never the CPU ops that launched them, nor the spans the profiler draws on the device timeline for
+  `record_function` scopes (`Optimizer.step#AdamW.step`, compiled regions; `is_user_annotation`), whose device time
+  is the same kernels' time seen again. Kernels on different streams that overlap count twice (a sum, not the union
+  of their intervals), so with overlapping copies the busy time is an upper bound;
+- on CPU, the aten ops ranked by their own CPU time (the CPU is the device there; `record_function` scopes are left
+  out there too).
 
 `busy_ms_per_step` against the step's wall time is the first thing to read: a step of 227 ms whose kernels are
 busy for 120 ms is host- or launch-bound for the rest, and no faster kernel fixes that. Per entry: calls and
@@ -68,6 +72,7 @@ def profile_kernels(
         timed = [(e, e.self_device_time_total) for e in prof.key_averages() if e.device_type == DeviceType.CUDA]
     else:
         timed = [(e, e.self_cpu_time_total) for e in prof.key_averages()]
+    timed = [(event, us) for event, us in timed if not event.is_user_annotation]
     timed = [(event, us) for event, us in timed if us > 0]
     busy_us = sum(us for _, us in timed)
     timed.sort(key=lambda pair: -pair[1])

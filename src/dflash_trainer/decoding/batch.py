@@ -16,8 +16,9 @@
   requests with the shortest prompts are prefilled together (right-padded, in chunks of at most
   `prefill_tokens` tokens), their first token chosen, and their rows armed. Prefill runs eagerly: prompts vary.
   An eager prefill forward costs tens of milliseconds of host work whatever its size (SmolLM2-135M on an H200:
-  66-97 ms for ~5K tokens, whose FLOPs take ~3 ms), so the default `refill_min` (rows // 8) waits for a larger
-  group of free rows: fewer, larger prefills at the price of rows idling a few steps longer.
+  97 ms per refill of ~5K tokens at rows // 16, 67 ms per ~8K at rows // 8; benchmarks/BENCHMARKS.md), so the
+  default `refill_min` (rows // 8) waits for a larger group of free rows: fewer, larger prefills at the price of
+  rows idling a few steps longer.
   Requests may be pushed while `generate` runs (a follow-up turn after its previous turn completed).
 - Capacity. `max_len` grows (a new cache, contents copied, graphs recaptured) when a request needs more than
   `prompt + max_new_tokens` positions than the cache has; `memory_budget` bounds rows x max_len on the GPU
