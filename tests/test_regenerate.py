@@ -168,6 +168,16 @@ def test_prompt_batches_change_nothing(stopping_target, tmp_path, monkeypatch):
     assert pairs.dropped == whole.dropped and whole.dropped["prompt_too_long"] >= 1
 
 
+def test_progress_in_a_log_is_not_redrawn_per_reply(stopping_target, tmp_path, capsys):
+    """stderr is not a terminal here (captured, as in a log file): the bar draws its start and end, not a line per
+    reply (the GPU main job's log held 50K regeneration lines)."""
+    many = [[{"role": "user", "content": f"w{i} w{i + 1}"}] for i in range(30)]
+    regenerate(many, stopping_target, tmp_path / "out", max_new_tokens=MAX_NEW_TOKENS, batch_size=4, progress=True)
+    redraws = [line for line in capsys.readouterr().err.replace("\r", "\n").splitlines() if "regenerate" in line]
+    assert 1 <= len(redraws) <= 3, redraws
+    assert "30/30" in redraws[-1]
+
+
 def test_cut_replies_are_dropped_on_request(stopping_target, tmp_path):
     summary = regenerate(
         CONVERSATIONS,

@@ -45,6 +45,7 @@ import hashlib
 import importlib.util
 import json
 import os
+import sys
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
@@ -70,6 +71,9 @@ JOURNAL_FILE = "regen.partial.jsonl"
 SETTINGS_FILE = "regen.json"
 FORMAT = "dflash-regen/2"
 FSYNC_SECONDS = 5.0
+# Seconds between progress redraws on a terminal and in a log.
+PROGRESS_SECONDS = 0.1
+PROGRESS_SECONDS_IN_LOGS = 30.0
 # First-turn prompts tokenised per tokenizer call (bounded: the texts of one batch are held at once).
 PROMPT_BATCH = 1024
 # Share of the free GPU memory the engine's KV cache may take.
@@ -191,6 +195,9 @@ def regenerate(
             desc="regenerate",
             disable=not progress,
             dynamic_ncols=True,
+            # In a log (stderr not a terminal) every redraw is a new line: one every 30 s keeps rate and ETA visible
+            # without burying the log (a redraw per reply wrote 50K lines in the GPU main job).
+            mininterval=PROGRESS_SECONDS if sys.stderr.isatty() else PROGRESS_SECONDS_IN_LOGS,
         ) as bar,
     ):
         job = _Job(
@@ -208,7 +215,8 @@ def regenerate(
             job.start(pending[offset : offset + PROMPT_BATCH], queue)
         for completion in generator.generate(queue):
             job.finish(completion, queue)
-            bar.set_postfix_str(f"{summary.new_tokens / max(time.perf_counter() - start_time, 1e-9):,.0f} tok/s")
+            rate = summary.new_tokens / max(time.perf_counter() - start_time, 1e-9)
+            bar.set_postfix_str(f"{rate:,.0f} tok/s", refresh=False)  # drawn at the bar's own interval
     summary.seconds = time.perf_counter() - start_time
     if isinstance(generator, _StaticEngine):
         summary.decode_stats = asdict(generator.decoder.stats)
