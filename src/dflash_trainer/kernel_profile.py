@@ -72,8 +72,7 @@ def profile_kernels(
         timed = [(e, e.self_device_time_total) for e in prof.key_averages() if e.device_type == DeviceType.CUDA]
     else:
         timed = [(e, e.self_cpu_time_total) for e in prof.key_averages()]
-    timed = [(event, us) for event, us in timed if not event.is_user_annotation]
-    timed = [(event, us) for event, us in timed if us > 0]
+    timed = [(event, us) for event, us in timed if us > 0 and not event.is_user_annotation]
     busy_us = sum(us for _, us in timed)
     timed.sort(key=lambda pair: -pair[1])
     kernels = [
