@@ -39,6 +39,9 @@ class TrainBatch:
     block_pos: torch.Tensor  # [R, N*B]
     labels: torch.Tensor  # [R, N, B]
     valid: torch.Tensor  # [R, N, B]
+    # [K] int64: flat indices r * N + n of the kept anchors. Dropped ones (bucket padding, rows with fewer anchors
+    # than the longest) have no valid slot, so the loss skips them: same sums, less LM-head work.
+    kept_blocks: torch.Tensor
     # Host-side facts, known without a device sync.
     sample_ids: list[str]
     num_tokens: int
@@ -169,6 +172,7 @@ def make_train_batch(
         block_pos=block_positions(position_ids=packed.position_ids, anchors=anchors, block_size=block_size),
         labels=labels,
         valid=valid,
+        kept_blocks=keep.flatten().nonzero().squeeze(1),  # CPU tensor: no device sync
         sample_ids=packed.sample_ids,
         num_tokens=packed.num_tokens,
         num_blocks=int(keep.sum()),  # CPU tensor: no device sync

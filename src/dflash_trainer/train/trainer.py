@@ -36,6 +36,7 @@ import dataclasses
 import json
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -47,7 +48,7 @@ from ..config import ConfigError, RunConfig
 from ..data.sampler import BatchPlan
 from ..distributed.failure import FaultInjection
 from ..distributed.world import World
-from ..model.anchors import gather_block_states
+from ..model.anchors import gather_block_states, kept_blocks_only
 from ..model.attention import build_masks, resolve_backend
 from ..model.config import DrafterModelConfig
 from ..model.drafter import DFlashDrafter
@@ -559,18 +560,19 @@ class Trainer:
                         states=outputs.final_hidden, anchors=batch.anchors, block_size=block
                     )
                 loss_config = self.config.loss
+                kept = partial(kept_blocks_only, index=batch.kept_blocks)
                 # Hand the loss hidden states in the LM head's dtype: an fp32 hidden would copy a bf16 head to fp32.
                 hidden = hidden.to(self.lm_head.weight.dtype).view(rows, num_blocks, block, -1)  # [R, N, B, H]
                 result = dflash_loss(
-                    hidden,
+                    kept(hidden),
                     self.lm_head.weight,
-                    batch.labels,
-                    batch.valid,
+                    kept(batch.labels),
+                    kept(batch.valid),
                     gamma=self.gamma,
                     weighting=loss_config.weighting,
                     dpace_alpha=loss_config.dpace_alpha,
                     label_source=loss_config.label_source,
-                    target_hidden=target_hidden,
+                    target_hidden=None if target_hidden is None else kept(target_hidden),
                     chunk_blocks=loss_config.chunk_blocks,
                     lm_head_bias=getattr(self.lm_head, "bias", None),
                     compile=loss_config.compile,
