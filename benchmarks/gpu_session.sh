@@ -15,6 +15,8 @@
 #   while GPU 0 regenerates: the sweep waits for the main job's shards anyway)
 #   bash benchmarks/gpu_session.sh wait S                    report every minute for up to S seconds
 #   bash benchmarks/gpu_session.sh collect                   pack logs and results (no weights) into $OUT
+#   bash benchmarks/gpu_session.sh smoke                      the training path's GPU tests (~1 min): after a
+#                                                hot-path change, before spending 20 minutes on the jobs
 #   [SETTINGS=...] bash benchmarks/gpu_session.sh disagg     benchmarks/disagg_bench.sh on both GPUs (after the jobs)
 #   [TESTS=...] bash benchmarks/gpu_session.sh hybrid [.fla]  the hybrid benchmark with fla (the fallback was
 #                                                measured on 2026-11-30), then the GPU tests with fla
@@ -22,7 +24,7 @@
 # 48,000 of `mix-math:train`) from `.mix/mix-math-48k.jsonl.gz`, written here by
 #   python -m dflash_trainer.data.prompts mix-math --export .mix/mix-math-48k.jsonl.gz --limit 48000
 set -u
-STAGE=${1:?usage: gpu_session.sh start|main|wait S|collect|disagg|hybrid}
+STAGE=${1:?usage: gpu_session.sh start|smoke|main|wait S|collect|disagg|hybrid}
 REPO=/tmp/repo             # a copy of the tree: the main job's runs/ and data/ live here, as for a user
 REPO2=/tmp/repo2           # the candidate's copy
 PROMPTS=/tmp/mix-math-48k.jsonl.gz
@@ -124,6 +126,10 @@ case "$STAGE" in
     tar czf "$OUT/results.tgz" --exclude='./main.log' --exclude='./candidate.log' --exclude='./sweep.log' \
       --exclude='./hybrid.log' -C "$RES" .
     ls -la "$OUT"
+    ;;
+  smoke)
+    cd "$REPO" && PYTHONPATH=$REPO/src:$SITE timeout 300 python3 -m pytest -q -x -m gpu -p no:cacheprovider \
+      tests/test_gpu.py 2>&1 | tail -15
     ;;
   disagg)
     # In the foreground (about 6 minutes for both settings); its JSON lands in $RES, packed by `collect` (a call
