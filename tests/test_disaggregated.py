@@ -409,11 +409,14 @@ def test_five_targets_three_drafters_a_killed_target_fails_every_rank_and_the_sa
     assert_every_rank_failed(out, 8)
     assert "exitcode  : -9" in out
     run_dir = cases.root / "five-plus-three"
+    # How far the drafters got before target 2 died is timing: the targets run up to queue_depth batches ahead, so
+    # on a loaded machine target 2 can reach its third batch before the drafters finish step 2 (seen once in CI).
     interrupted_at = ckpt.latest_checkpoint(run_dir)
-    assert interrupted_at is not None and int(interrupted_at.name.split("-")[1]) in (2, 4), out
+    assert interrupted_at is None or int(interrupted_at.name.split("-")[1]) in (2, 4), out
 
     out = run_ok(recipe, 8)
-    assert f"resumed from {interrupted_at}" in out, out
+    if interrupted_at is not None:
+        assert f"resumed from {interrupted_at}" in out, out
     reference = cases.reference(cases.even, grad_accum=3)
     assert_same_weights(final_weights(run_dir), final_weights(reference))
     records = read_metrics(run_dir)
