@@ -16,17 +16,22 @@ from dflash_trainer.train.batch import make_train_batch
 from model_helpers import random_packed_batch, tiny_drafter_config
 
 
-def test_padded_batch_trains_exactly_like_the_unpadded_one():
-    config = tiny_drafter_config(block_size=4)
+def packed_rows(config) -> PackedBatch:
+    """Three random packed rows of 45 tokens, as the sampler hands them to `make_train_batch`."""
     source = random_packed_batch(config, rows=3, length=45, max_anchors=5, seed=7)
-    packed = PackedBatch(
+    return PackedBatch(
         input_ids=source.input_ids,
         loss_mask=source.loss_mask,
         doc_ids=source.doc_ids,
         position_ids=source.position_ids,
-        sample_ids=["a", "b", "c", "d", "e", "f"],
+        sample_ids=["a", "b", "c"],
         num_tokens=int((source.doc_ids >= 0).sum()),
     )
+
+
+def test_padded_batch_trains_exactly_like_the_unpadded_one():
+    config = tiny_drafter_config(block_size=4)
+    packed = packed_rows(config)
     common = dict(block_size=4, mask_token_id=config.mask_token_id, max_anchors=5, seed=3, epoch=1, index=2)
     plain = make_train_batch(packed, **common)
     padded = make_train_batch(packed, **common, seq_multiple=32, anchor_multiple=8)
@@ -78,15 +83,7 @@ def test_loss_over_the_kept_blocks_equals_the_loss_over_all_blocks(weighting, la
     """The trainer hands the loss only the kept anchors' blocks (`kept_blocks`): loss, metrics and the gradient
     of every block (zero for the dropped ones) are those of the loss over all blocks, padding included."""
     config = tiny_drafter_config(block_size=4)
-    source = random_packed_batch(config, rows=3, length=45, max_anchors=5, seed=7)
-    packed = PackedBatch(
-        input_ids=source.input_ids,
-        loss_mask=source.loss_mask,
-        doc_ids=source.doc_ids,
-        position_ids=source.position_ids,
-        sample_ids=["a", "b", "c"],
-        num_tokens=int((source.doc_ids >= 0).sum()),
-    )
+    packed = packed_rows(config)
     batch = make_train_batch(
         packed,
         block_size=4,

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from decoding_helpers import cpu_target, one_thread  # noqa: F401 (one_thread: autouse fixture)
-from dflash_trainer.data.chat import tokenize_conversation
+from dflash_trainer.data.chat import generation_prompt_ids, tokenize_conversation
 from dflash_trainer.data.prepare import prepare
 from dflash_trainer.data.shards import load_shards
 from dflash_trainer.decoding.batch import BatchDecoder
@@ -157,8 +157,9 @@ def test_prompt_batches_change_nothing(stopping_target, tmp_path, monkeypatch):
     """First-turn prompts are tokenised in batches of PROMPT_BATCH: batches of 2 (boundaries inside the list, a
     too-long prompt among them) write what one batch writes, and each prompt is what it is tokenised alone."""
     prefixes = [m[: regen._assistant_slots(m)[0]] for m in map(_messages, CONVERSATIONS)]
-    alone = [regen.chat_prompt_ids(stopping_target, messages) for messages in prefixes]
-    assert regen.chat_prompt_ids_batch(stopping_target, prefixes) == alone
+    tokenizer = stopping_target.tokenizer
+    alone = [generation_prompt_ids(tokenizer, [messages])[0] for messages in prefixes]
+    assert generation_prompt_ids(tokenizer, prefixes) == alone
     longest = max(len(ids) for ids in alone)
     settings = dict(max_new_tokens=MAX_NEW_TOKENS, batch_size=2, progress=False, max_prompt_tokens=longest - 1)
     whole = regenerate(CONVERSATIONS, stopping_target, tmp_path / "whole", **settings)

@@ -333,6 +333,17 @@ def _encode_each(
         return encoded
 
 
+def generation_prompt_ids(
+    tokenizer: PreTrainedTokenizerBase, conversations: Sequence[Sequence[Mapping[str, str]]]
+) -> list[list[int]]:
+    """Token ids of each conversation rendered with the chat template and the assistant generation prompt: what the
+    target reads before it answers (regeneration, evaluation). Tokenised as training data is (no extra special
+    tokens), in one encode call: the Rust tokenizer spreads a batch over the cores (the GPU recipe's 48,000 first
+    turns on 2 cores: 21 s one call per prompt, 11 s in calls of 1,024)."""
+    texts = [_render(tokenizer, list(messages), add_generation_prompt=True) for messages in conversations]
+    return [list(ids) for ids in tokenizer(texts, add_special_tokens=False)["input_ids"]]
+
+
 def _mark_assistant_tokens(
     tokenizer: PreTrainedTokenizerBase,
     turns: list[ChatMessage],

@@ -40,6 +40,7 @@ from torch import Tensor
 from tqdm import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from ..data.chat import generation_prompt_ids
 from ..data.prompts import Prompt, load_prompt_set
 from ..decoding.batch import synchronized_time
 from ..decoding.plain import target_generate_batch
@@ -190,8 +191,7 @@ def encode_prompt(tokenizer: PreTrainedTokenizerBase, prompt: Prompt, device: to
 
 
 def prompt_token_ids(tokenizer: PreTrainedTokenizerBase, prompt: Prompt) -> list[int]:
-    text = tokenizer.apply_chat_template(list(prompt.messages), tokenize=False, add_generation_prompt=True)
-    ids = list(tokenizer(text, add_special_tokens=False)["input_ids"])
+    (ids,) = generation_prompt_ids(tokenizer, [prompt.messages])
     if not ids:
         raise ValueError(f"prompt {prompt.id}: the chat template produced no tokens")
     return ids

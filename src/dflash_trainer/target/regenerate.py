@@ -55,7 +55,7 @@ from typing import Any, Literal, TextIO
 import torch
 from tqdm import tqdm
 
-from dflash_trainer.data.chat import ChatMessage, RecordError, normalize_record
+from dflash_trainer.data.chat import ChatMessage, RecordError, generation_prompt_ids, normalize_record
 from dflash_trainer.data.prepare import read_chat_records
 from dflash_trainer.data.prompts import Prompt
 from dflash_trainer.decoding.batch import BatchDecoder, Completion, RequestQueue
@@ -281,22 +281,6 @@ def _assistant_slots(messages: list[ChatMessage]) -> list[int]:
     return slots
 
 
-def chat_prompt_ids(target: LoadedTarget, messages: list[ChatMessage]) -> list[int]:
-    """Token ids of `messages` rendered with the chat template and the assistant generation prompt."""
-    return chat_prompt_ids_batch(target, [messages])[0]
-
-
-def chat_prompt_ids_batch(target: LoadedTarget, conversations: Sequence[list[ChatMessage]]) -> list[list[int]]:
-    """`chat_prompt_ids` of each conversation, with one tokenizer call: the Rust tokenizer spreads a batch over the
-    cores (the GPU recipe's 48,000 first turns on 2 cores: 21 s one call per prompt, 11 s in calls of 1,024)."""
-    # Rendered to text and tokenised without extra special tokens, as `data.chat` tokenises training data.
-    texts = [
-        target.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        for messages in conversations
-    ]
-    return [list(ids) for ids in target.tokenizer(texts, add_special_tokens=False)["input_ids"]]
-
-
 def cut_at_stop(new_ids: Sequence[int], stop_token_ids: Sequence[int]) -> tuple[list[int], bool]:
     """(the reply's token ids before the first stop token, whether a stop token was produced)."""
     stops = set(stop_token_ids)
@@ -329,7 +313,7 @@ class _Job:
         for index in indices:
             self.working[index] = [dict(m) for m in self.conversations[index].messages]
         prefixes = [self._prompt_messages(index, 0) for index in indices]
-        for index, prompt in zip(indices, chat_prompt_ids_batch(self.target, prefixes), strict=True):
+        for index, prompt in zip(indices, generation_prompt_ids(self.target.tokenizer, prefixes), strict=True):
             self._push(index, 0, prompt, queue)
 
     def _prompt_messages(self, index: int, turn: int) -> list[ChatMessage]:
@@ -337,7 +321,8 @@ class _Job:
         return messages[: _assistant_slots(messages)[turn]]
 
     def _queue_turn(self, index: int, turn: int, queue: RequestQueue) -> None:
-        self._push(index, turn, chat_prompt_ids(self.target, self._prompt_messages(index, turn)), queue)
+        (prompt,) = generation_prompt_ids(self.target.tokenizer, [self._prompt_messages(index, turn)])
+        self._push(index, turn, prompt, queue)
 
     def _push(self, index: int, turn: int, prompt: list[int], queue: RequestQueue) -> None:
         if self.max_prompt_tokens is not None and len(prompt) > self.max_prompt_tokens:
