@@ -44,19 +44,20 @@ done
 COMMON=(run_dir=PLACEHOLDER "train.max_steps=$STEPS" train.epochs=1000 eval.every_steps=0 "eval.datasets=[gsm8k]" eval.num_prompts=24
   checkpoint.every_steps=100000 metrics.plot_at_end=false metrics.progress_bar=false)
 # name | overrides (space separated). In the order the next device session needs them: the base row first (every
-# other row is read against it), then FP8 (issue 10 asks for its effect on tau), then what may raise tau: label
-# source, slot weights (gamma 7 is the paper's for drafters accepting ~6 tokens; at tau ~2.7 slots past 5 rarely
-# count, and gamma 4 or D-PACE put the loss where acceptance happens), anchors; then data size and noise.
+# other row is read against it), then the rows issue 9 asks for (label source, anchors per document, data size,
+# noise), then FP8 (issue 10 asks for its effect on tau), then slot weights (gamma 7 is the paper's for drafters
+# accepting ~6 tokens; at tau ~2.7 slots past 5 rarely count, and gamma 4 or D-PACE put the loss where acceptance
+# happens).
 VARIANTS=(
   "base|data.train_shards=$SHARDS"
-  "fp8-target|data.train_shards=$SHARDS target.fp8=true"
   "labels-soft|data.train_shards=$SHARDS loss.label_source=soft"
-  "gamma-4|data.train_shards=$SHARDS loss.gamma=4"
-  "dpace|data.train_shards=$SHARDS loss.weighting=dpace"
   "anchors-64|data.train_shards=$SHARDS data.max_anchors=64"
   "prompts-10k|data.train_shards=$WORK/data-10000"
   "prompts-1k|data.train_shards=$WORK/data-1000"
   "noise-uniform-0.1|data.train_shards=$SHARDS noise.type=uniform noise.start=0.1 noise.end=0.0"
+  "fp8-target|data.train_shards=$SHARDS target.fp8=true"
+  "gamma-4|data.train_shards=$SHARDS loss.gamma=4"
+  "dpace|data.train_shards=$SHARDS loss.weighting=dpace"
 )
 
 summarise() {  # name, exit status, seconds: one JSON line into $RES/sweep/rows.jsonl
