@@ -46,7 +46,7 @@ case "$STAGE" in
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" .whl/*.whl
     cp .gguf1/* /tmp/
     for repo in "$REPO" "$REPO2"; do
-      rm -rf "$repo" && mkdir -p "$repo" && cp -r src recipes benchmarks tests pyproject.toml "$repo"/
+      rm -rf "$repo" && mkdir -p "$repo" && cp -r src recipes benchmarks tests scripts pyproject.toml README.md "$repo"/  # tests read README and scripts
     done
     nvidia-smi --query-gpu=index,name,memory.total --format=csv,noheader | tee "$RES/gpus.txt"
     ;;

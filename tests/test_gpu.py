@@ -120,10 +120,12 @@ def test_compiled_loss_on_gpu_matches_the_cpu_reference(label_source, weighting)
         results[name] = (out.loss.double().cpu(), out.metrics.to_tensor().cpu(), h.grad.double().cpu())
     (ref_loss, ref_metrics, ref_grad), (loss, metrics, grad) = results["cpu"], results["gpu"]
     assert abs(float(loss - ref_loss)) < 2e-2 * abs(float(ref_loss)), (loss, ref_loss)
-    # Counts agree exactly where no bf16 near-tie flips an argmax: allow a few flipped slots.
+    # Counts agree exactly where no bf16 near-tie flips an argmax: allow a few flipped slots. With target-argmax
+    # labels the labels are bf16 argmaxes too, so a near-tie can flip either side (10 of 964 slots seen on an H200).
     counts = slice(4 + block, None)
     torch.testing.assert_close(metrics[counts], ref_metrics[counts], rtol=0, atol=0)
-    assert float((metrics[4 : 4 + block] - ref_metrics[4 : 4 + block]).abs().sum()) <= 0.01 * float(valid.sum())
+    flips = 0.02 if label_source == "target_argmax" else 0.01
+    assert float((metrics[4 : 4 + block] - ref_metrics[4 : 4 + block]).abs().sum()) <= flips * float(valid.sum())
     grad_error = float((grad - ref_grad).norm() / ref_grad.norm())
     assert grad_error < 3e-2, grad_error
 
