@@ -8,6 +8,7 @@
 # Env: SWEEP_GPU (default 0), GPUS (1: wait for the main job to end first), RES (results folder), STEPS (default
 # 600: about 3 minutes a row on an H200), WAVE (processes at once, default 1), MAIN (the main job's repo copy,
 # default $PWD). Each finished row is appended to $RES/sweep/rows.jsonl at once, so a sweep cut short keeps its rows.
+# ROWS: the names of the rows to run, comma-separated, in the order given (default: every row in the order below).
 set -u
 SWEEP_GPU=${SWEEP_GPU:-0}
 GPUS=${GPUS:-1}
@@ -58,7 +59,25 @@ VARIANTS=(
   "fp8-target|data.train_shards=$SHARDS target.fp8=true"
   "gamma-4|data.train_shards=$SHARDS loss.gamma=4"
   "dpace|data.train_shards=$SHARDS loss.weighting=dpace"
+  # After 2026-12-01 (EXPERIMENTS.md #10): fewer anchors and D-PACE together, fewer anchors still, and 64 anchors at
+  # the base's wall time (twice the steps at half the step).
+  "anchors-64-dpace|data.train_shards=$SHARDS data.max_anchors=64 loss.weighting=dpace"
+  "anchors-32|data.train_shards=$SHARDS data.max_anchors=32"
+  "anchors-64-equal-time|data.train_shards=$SHARDS data.max_anchors=64 train.max_steps=$((2 * STEPS))"
 )
+if [ -n "${ROWS:-}" ]; then  # keep the named rows, in the order named
+  chosen=()
+  IFS=, read -r -a names <<< "$ROWS"
+  for name in "${names[@]}"; do
+    match=""
+    for variant in "${VARIANTS[@]}"; do
+      [ "${variant%%|*}" = "$name" ] && match=$variant
+    done
+    if [ -z "$match" ]; then echo "unknown row $name"; exit 2; fi
+    chosen+=("$match")
+  done
+  VARIANTS=("${chosen[@]}")
+fi
 
 summarise() {  # name, exit status, seconds: one JSON line into $RES/sweep/rows.jsonl
   python3 - "$WORK/runs/$1" "$1" "$2" "$3" >> "$RES/sweep/rows.jsonl" <<'PY'
