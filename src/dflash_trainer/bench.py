@@ -4,8 +4,9 @@ The target is a randomly initialised model of the recipe's target shape, built d
 weights are needed: Qwen3-8B's shape (the paper's setting, `recipes/bench-qwen3-8b.yaml`) or, when the recipe
 names SmolLM2, SmolLM2-135M's (Llama: hidden 576, 30 layers, 9 heads, 3 KV heads, intermediate 1536,
 vocab 49152, tied embeddings; `recipes/bench-smollm2.yaml`). Documents of random tokens are packed into rows by
-the normal sampler: the paper's fixed 3072 + 3072 + 2048 fully supervised documents, or for SmolLM2 documents of
-150-700 tokens whose first 20-45% is an unsupervised prompt (like the regenerated GSM8K data).
+the normal sampler: the paper's fixed 3072 + 3072 + 2048 fully supervised documents, or for SmolLM2 documents shaped
+like the GPU recipe's regenerated data (an unsupervised prompt of 30-232 tokens, a reply of 4-114 tokens or cut at
+256; `smollm2_documents`).
 
 Phases, each through the trainer's own step (`Trainer._optimizer_step`):
 - drafter_only: the target features of one batch are computed once and replayed (what a disaggregated drafter
@@ -111,11 +112,15 @@ def paper_documents(rng: np.random.Generator) -> list[tuple[int, int]]:
 
 
 def smollm2_documents(rng: np.random.Generator) -> list[tuple[int, int]]:
-    """About 40 documents (one 16K-token step) of 150-700 tokens, the first 20-45% an unsupervised prompt."""
+    """About 66 documents (one 16K-token step) shaped like the GPU recipe's regenerated data (measured 2026-12-01:
+    47,066 samples of 248 tokens on average, 117 of them supervised; 28 % of the replies cut at 256 new tokens, the
+    rest 59 tokens on average): a prompt of 30-232 tokens (chat template included), then a reply of 256 tokens for
+    28 % of the documents and of 4-114 tokens otherwise."""
     docs = []
-    for _ in range(40):
-        length = int(rng.integers(150, 701))
-        docs.append((length, int(length * rng.uniform(0.2, 0.45))))
+    for _ in range(66):
+        prompt = int(rng.integers(30, 233))
+        reply = 256 if rng.random() < 0.28 else int(rng.integers(4, 115))
+        docs.append((prompt + reply, prompt))
     return docs
 
 
