@@ -28,12 +28,22 @@ Phases (each child):
   path: every document a row of its own, stopping after layer 61), median of timed calls: target tokens/s;
 - `train`: the trainer's end-to-end step in the paper setting (`recipes/bench-qwen3-8b.yaml`: drafter 5 layers,
   block 16, 455 anchors per document) with data labels (the LM head is not needed, so the target stops after the
-  deepest tap) through `bench.time_steps`: median step, target tokens/s, MFU, peak memory. The drafter layers and
-  the loss run eagerly (compiling them costs each child about 25 s of the 3 minutes; `--compile` to do it);
+  deepest tap) through `bench.time_steps`: step time min / median / max over the timed steps (with fla, Triton
+  autotuning and compiles on shapes first met in a timed step inflate the median and max; the minimum is the
+  settled step: `time_steps` keeps no per-step times, so how many steps were hit is not counted), target tokens/s,
+  MFU, peak memory. The drafter layers and the loss run eagerly (compiling them costs each child about 25 s of the
+  3 minutes; `--compile` to do it);
 - `decode`: the decoding engine on `--rows` prompts of 512 random tokens: plain decoding (CUDA graphs) and
   speculative decoding with a random 5-layer block-16 drafter (tau about 1): ms per decode step and per verify
   step (the verify/decode ratio is the tau a drafter must beat to speed decoding up), and whether the speculative
-  output equals the plain one (bf16: near-ties may differ).
+  output equals the plain one. bf16 near-ties may differ: a verify block and a one-token step round differently
+  (with fla also different kernels, chunked vs fused recurrent), and a random target's logits are nearly flat, so
+  per row the common prefix of the two outputs (= the new-token index where they first part) is reported, and at
+  that index the evaluation's lossless check (`eval.runner.verify_lossless`: the target's own forward over the
+  common prefix) says whether the two tokens are a near-tie (both logits within 4 bf16 rounding steps of the top
+  one; their gap to the top logit is reported) or not. Parting within the first few tokens on every row (token 2 is
+  the first a rollback touches) with no near-ties points at the recurrent-state rollback; parting late at near-ties
+  is rounding drift.
 """
 
 from __future__ import annotations
@@ -272,8 +282,10 @@ def train_phase(target, *, steps: int, compile_drafter: bool) -> dict:
     result = asdict(phase)
     mfu = f"{100 * phase.mfu:.1f}%" if phase.mfu is not None else "n/a"
     result["summary"] = (
-        f"{phase.step_ms_median:.0f} ms/step, {phase.tokens_per_s:,.0f} target tok/s, MFU {mfu}, peak "
-        f"{phase.peak_mem_gib:.1f} GiB, first step {phase.first_step_s:.0f} s; stages (ms): "
+        f"step ms min/median/max {phase.step_ms_min:.0f}/{phase.step_ms_median:.0f}/{phase.step_ms_max:.0f} over "
+        f"{steps} steps ({phase.recompiles_after_warmup} recompiles after warm-up), {phase.tokens_per_s:,.0f} "
+        f"target tok/s at the median, MFU {mfu}, peak {phase.peak_mem_gib:.1f} GiB, first step "
+        f"{phase.first_step_s:.0f} s; stages (ms): "
         + " ".join(f"{k} {v:.0f}" for k, v in sorted(phase.stages_ms.items(), key=lambda kv: -kv[1])[:4])
     )
     return result
@@ -305,6 +317,14 @@ def decode_phase(target, *, rows: int, new_tokens: int) -> dict:
     verify_ms = 1e3 * speculative.decode_s / verify_steps
     same = sum(p.output_ids == s.output_ids for p, s in zip(plain.results, speculative.results, strict=True))
     tau = statistics.mean(r.tau for r in speculative.results)
+    partings = [
+        parting(target.model, index, prompt, p.output_ids, s.output_ids)
+        for index, (prompt, p, s) in enumerate(zip(prompts, plain.results, speculative.results, strict=True))
+    ]
+    prefixes = [row["common_prefix"] for row in partings]
+    parted = [row for row in partings if row["first_divergence"] is not None]
+    ties = [row for row in parted if row["near_tie"]]
+    gaps = f" (gaps to the top logit up to {max(row['logit_gap'] for row in ties):.3g})" if ties else ""
     return {
         "rows": rows,
         "decode_ms_per_step": decode_ms,
@@ -313,13 +333,43 @@ def decode_phase(target, *, rows: int, new_tokens: int) -> dict:
         "speculative_tokens_per_s": speculative.decode_tokens_per_s,
         "tau": tau,
         "identical_outputs": same,
+        "new_tokens": new_tokens,
+        "common_prefix": {"min": min(prefixes), "median": statistics.median(prefixes), "max": max(prefixes)},
+        "near_tie_partings": len(ties),
+        "rows_detail": partings,
         "graphs_captured": plain.graphs_captured + speculative.graphs_captured,
         "capture_s": plain.capture_s + speculative.capture_s,
         "summary": f"{rows} rows: decode step {decode_ms:.1f} ms ({plain.decode_tokens_per_s:,.0f} tok/s), verify "
         f"step (block 16 + commit + draft) {verify_ms:.1f} ms (ratio {verify_ms / decode_ms:.2f}), random drafter "
-        f"tau {tau:.2f}, speculative == plain on {same}/{rows} rows, "
+        f"tau {tau:.2f}, speculative == plain on {same}/{rows} rows, common prefix (= first divergence) "
+        f"min/median/max {min(prefixes)}/{statistics.median(prefixes):g}/{max(prefixes)} of {new_tokens} new tokens, "
+        f"{len(ties)}/{len(parted)} partings near-ties{gaps}, "
         f"{plain.graphs_captured + speculative.graphs_captured} graphs",
     }
+
+
+def parting(model, index: int, prompt: list[int], plain: list[int], speculative: list[int]) -> dict:
+    """Where one row's speculative output parts from its plain one and, if it does, whether the two tokens are a
+    near-tie there by the evaluation's lossless check (its LosslessError message says by how much they are not)."""
+    import torch
+
+    from dflash_trainer.eval.runner import LosslessError, first_difference, verify_lossless
+
+    position = first_difference(plain, speculative)
+    if position is None:
+        return {"first_divergence": None, "common_prefix": len(plain)}
+    row = {"first_divergence": position, "common_prefix": position}
+    try:
+        tie = verify_lossless(
+            prompt_id=str(index),
+            target_model=model,
+            input_ids=torch.tensor([prompt], device=model.device),
+            target_ids=plain,
+            speculative_ids=speculative,
+        )
+    except LosslessError as error:
+        return {**row, "near_tie": False, "detail": str(error)}
+    return {**row, "near_tie": True, "logit_gap": tie.logit_gap, "tolerance": tie.tolerance}
 
 
 def main(argv: list[str]) -> int:
