@@ -1,4 +1,5 @@
-"""The DFlash mask against a brute-force reference, and the flex and dense backends against each other."""
+"""The DFlash mask against a brute-force reference and the element-wise oracle, and the flex and dense backends
+against each other."""
 
 from __future__ import annotations
 
@@ -15,8 +16,11 @@ from dflash_trainer.model.attention import (
     TileTables,
     attend,
     build_masks,
+    context_ranges,
     dense_mask,
     dflash_mask_mod,
+    mask_from_ranges,
+    mask_tables,
     tile_tables,
 )
 from dflash_trainer.model.drafter import DFlashDrafter
@@ -45,6 +49,29 @@ def reference_mask(anchors, keep, doc_ids, block_size, window, causal_in_block):
     return out
 
 
+def oracle_mask_mod(*, anchors, anchor_keep, doc_ids, block_size, context_len, window=None, causal_in_block=False):
+    """The rule element by element, as production evaluated it before the context ranges: document ids compared per
+    key (no contiguity assumed), the anchor's keep flag and window per element, block membership by division."""
+    last_ctx = context_len - 1
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        q_block = q_idx // block_size
+        anchor = anchors[b, q_block]
+        is_ctx = kv_idx < context_len
+        ctx_pos = torch.clamp(kv_idx, max=last_ctx)
+        same_doc = doc_ids[b, ctx_pos] == doc_ids[b, anchor]
+        ctx_ok = is_ctx & (kv_idx < anchor) & same_doc & anchor_keep[b, q_block]
+        if window is not None:
+            ctx_ok = ctx_ok & (kv_idx >= anchor - window)
+        block_kv = torch.clamp(kv_idx - context_len, min=0)
+        in_block = ~is_ctx & (block_kv // block_size == q_block)
+        if causal_in_block:
+            in_block = in_block & (block_kv % block_size <= q_idx % block_size)
+        return ctx_ok | in_block
+
+    return mask_mod
+
+
 def random_mask_inputs(block_size: int, seed: int):
     gen = torch.Generator().manual_seed(seed)
     rows, length = 2, 3 * block_size + 7
@@ -64,19 +91,91 @@ def test_mask_mod_matches_brute_force(block_size, window, causal_in_block):
     for seed in range(2):
         anchors, keep, doc_ids = random_mask_inputs(block_size, seed)
         assert (~keep).any() or keep.all()
-        mask_mod = dflash_mask_mod(
-            anchors=anchors,
-            anchor_keep=keep,
-            doc_ids=doc_ids,
-            block_size=block_size,
-            context_len=doc_ids.shape[1],
-            window=window,
-            causal_in_block=causal_in_block,
-        )
-        q_len = anchors.shape[1] * block_size
-        dense = dense_mask(mask_mod, rows=2, q_len=q_len, kv_len=doc_ids.shape[1] + q_len, device=torch.device("cpu"))
         expected = reference_mask(anchors, keep, doc_ids, block_size, window, causal_in_block)
-        assert torch.equal(dense[:, 0], expected)
+        q_len = anchors.shape[1] * block_size
+        for make in (dflash_mask_mod, oracle_mask_mod):  # production, and the oracle the random layouts use
+            mask_mod = make(
+                anchors=anchors,
+                anchor_keep=keep,
+                doc_ids=doc_ids,
+                block_size=block_size,
+                context_len=doc_ids.shape[1],
+                window=window,
+                causal_in_block=causal_in_block,
+            )
+            dense = dense_mask(mask_mod, rows=2, q_len=q_len, kv_len=doc_ids.shape[1] + q_len, device="cpu")
+            assert torch.equal(dense[:, 0], expected)
+
+
+def random_layout(gen: torch.Generator, block_size: int, min_blocks: int = 1):
+    """Rows of contiguous documents of varied lengths (ids 0, 1, ...; 1 to 60 tokens) and trailing padding (-1),
+    with anchors at document starts and ends, position 0, in the padding and anywhere, about a quarter dropped,
+    and `min_blocks` up to 2 query tiles of blocks."""
+
+    def draw(low: int, high: int, size: tuple[int, ...] = ()) -> torch.Tensor:
+        return torch.randint(low, high, size, generator=gen)
+
+    rows, length = 3, int(draw(4, 200))
+    doc_ids = torch.full((rows, length), -1, dtype=torch.long)
+    for r in range(rows):
+        end, start, doc = length - int(draw(0, min(length, 12))), 0, 0
+        while start < end:
+            size = int(draw(1, 61))
+            doc_ids[r, start : min(start + size, end)] = doc
+            start, doc = start + size, doc + 1
+    num_blocks = int(draw(min_blocks, 2 * TILE // block_size + 2))
+    anchors = torch.empty(rows, num_blocks, dtype=torch.long)
+    for r in range(rows):
+        starts = torch.nonzero(torch.diff(doc_ids[r], prepend=doc_ids[r, :1] - 1)).squeeze(1)
+        pool = torch.cat([starts, starts - 1, torch.tensor([0, 0, length - 1]), draw(0, length, (8,))]).clamp(min=0)
+        anchors[r] = pool[draw(0, len(pool), (num_blocks,))]
+    keep = torch.rand(rows, num_blocks, generator=gen) > 0.25
+    return anchors, keep, doc_ids
+
+
+@pytest.mark.parametrize("block_size", [4, 12, 16])
+@pytest.mark.parametrize("window", [None, 1, 5, 30, 1000])
+@pytest.mark.parametrize("causal_in_block", [False, True])
+def test_mask_from_ranges_equals_element_wise_oracle(block_size, window, causal_in_block):
+    """Production's mask (context ranges) is the old element-wise rule on random layouts, and the tile tables
+    computed from the same ranges are those of evaluating the (bidirectional) oracle on the whole grid."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    gen = torch.Generator().manual_seed(block_size * 1000 + (window or 0) * 2 + causal_in_block)
+    for i in range(4):
+        # The last two span two query tiles (block 12: block 10 straddles the tile boundary at query 128).
+        anchors, keep, doc_ids = random_layout(gen, block_size, min_blocks=1 if i < 2 else TILE // block_size + 1)
+        rows, context_len = doc_ids.shape
+        q_len = anchors.shape[1] * block_size
+        grid = dict(rows=rows, q_len=q_len, kv_len=context_len + q_len)
+        args = dict(anchors=anchors, anchor_keep=keep, doc_ids=doc_ids, block_size=block_size)
+        oracle = oracle_mask_mod(**args, context_len=context_len, window=window, causal_in_block=causal_in_block)
+        variant = MaskVariant(window, causal_in_block)
+        tables = mask_tables(**args, variants=[variant])[variant]
+        assert tables.lo.dtype == tables.hi.dtype == torch.int32 and (tables.lo <= tables.hi).all()
+        expected = dense_mask(oracle, **grid, device="cpu")
+        for given in (None, {variant: tables}):  # ranges computed by build_masks, and those of the data stage
+            produced = build_masks(**args, variants=[variant], backend="sdpa", tables=given).for_variant(variant)
+            assert torch.equal(produced, expected)
+        # The tables ignore in-block causality (`mask_tables`): they are those of the bidirectional mask, which
+        # contains the causal one. (With a causal block straddling two query tiles they list one tile that only
+        # holds keys the causal mask hides: a partial tile, so still exact.)
+        bidirectional = oracle_mask_mod(**args, context_len=context_len, window=window)
+        reference = create_block_mask(bidirectional, B=rows, H=None, Q_LEN=q_len, KV_LEN=grid["kv_len"], device="cpu")
+        assert_tables_equal(tables, reference, kv_tiles=-(-grid["kv_len"] // TILE))
+
+
+def test_mask_mod_stays_int32():
+    """Traced on int32 indices (what flex passes), every intermediate of the mask_mod is int32 or bool."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    anchors, keep, doc_ids = random_mask_inputs(4, 0)
+    for window, causal in ((None, False), (5, True)):
+        lo, hi = context_ranges(anchors=anchors, anchor_keep=keep, doc_ids=doc_ids, window=window)
+        mask_mod = mask_from_ranges(lo, hi, block_size=4, context_len=doc_ids.shape[1], causal_in_block=causal)
+        graph = make_fx(mask_mod)(*(torch.zeros(1, dtype=torch.int32) for _ in range(4))).graph
+        dtypes = {node.meta["val"].dtype for node in graph.nodes if isinstance(node.meta.get("val"), torch.Tensor)}
+        assert dtypes == {torch.int32, torch.bool}
 
 
 def test_mask_never_leaves_a_query_without_keys():
@@ -160,6 +259,15 @@ def tiles_dense(num_blocks: torch.Tensor, indices: torch.Tensor, kv_tiles: int) 
     return dense[..., :kv_tiles].squeeze(1)
 
 
+def assert_tables_equal(tables: TileTables, reference, *, kv_tiles: int) -> torch.Tensor:
+    """Same partial and full tiles as the BlockMask `reference`; returns the full tiles [R, Qt, KVt]."""
+    partial = tiles_dense(tables.kv_num_blocks, tables.kv_indices, kv_tiles)
+    full = tiles_dense(tables.full_kv_num_blocks, tables.full_kv_indices, kv_tiles)
+    assert torch.equal(partial, tiles_dense(reference.kv_num_blocks, reference.kv_indices, kv_tiles))
+    assert torch.equal(full, tiles_dense(reference.full_kv_num_blocks, reference.full_kv_indices, kv_tiles))
+    return full
+
+
 def long_document_inputs(window_seed: int):
     """Long documents with many anchors far into them: many full context tiles, and padding at a row end."""
     rows, length = 2, 1024
@@ -215,9 +323,6 @@ def test_tile_tables_from_anchors_equal_create_block_mask(case):
     )
     kv_tiles = -(-(context_len + q_len) // TILE)
     assert tables.kv_indices.shape == (rows, 1, -(-q_len // TILE), kv_tiles)
-    partial = tiles_dense(tables.kv_num_blocks, tables.kv_indices, kv_tiles)
-    full = tiles_dense(tables.full_kv_num_blocks, tables.full_kv_indices, kv_tiles)
-    assert torch.equal(partial, tiles_dense(reference.kv_num_blocks, reference.kv_indices, kv_tiles))
-    assert torch.equal(full, tiles_dense(reference.full_kv_num_blocks, reference.full_kv_indices, kv_tiles))
+    full = assert_tables_equal(tables, reference, kv_tiles=kv_tiles)
     if case["anchors"] == 0 and window is None:
         assert full.sum() > 10  # the case exercises full tiles

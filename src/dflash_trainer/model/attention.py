@@ -11,15 +11,28 @@ Rule (DESIGN §2). A query of block n anchored at a sees
 Dropped anchors (`anchor_keep` False) lose their context but keep their own block, so no query row is empty (an
 all-masked row is NaN in SDPA); the loss ignores them anyway.
 
+As evaluated (`context_ranges`, `mask_from_ranges`). Documents are contiguous runs of one id (as `collate` lays
+them out, trailing padding -1 being one more run), so the context of a kept block anchored at a is the single range
+[lo, hi) with hi = a and lo = max(start of a's document, a - W); a dropped block gets an empty range (lo = hi).
+The ranges are computed once per batch ([R, N] int32), and the `mask_mod` reads two of them per query and does a
+few int32 compares per element:
+    n = q // B;  (lo[n] <= kv < hi[n])  |  (T + n*B <= kv < T + n*B + B)    (kv <= T + q when causal in-block)
+That is the rule above exactly: kv < hi = a <= T - 1 keeps the context part to context keys, and the own-block part
+only ever names block keys. flex passes `q_idx`/`kv_idx` as int32 scalars and `dense_mask` builds int32 grids; the
+ranges are int32 and everything else is a Python int, so no element op runs in int64 (the partial tiles evaluate
+the mask on all 128x128 elements on CUDA cores, so that work is on the hot path). `tests/test_attention.py` keeps
+the element-wise rule (document ids compared per key) as the oracle the ranges must equal.
+
 GPU: flex_attention with a BlockMask built once per batch per layer variant. Default builder ("anchors"): the
-tile tables (which 128x128 query/key tiles are empty, full, or partial) come straight from the anchors and the
-document starts (`tile_tables`), with no pass over the Q x KV grid: a block's context is the one contiguous range
-[max(doc start, a - W), a) (documents are contiguous runs of one id, as `collate` lays them out), its own block
-is one contiguous key range, and nothing else is visible. The tables are small integer tensors ([R, Qt, KVt]),
-computed on the CPU in the data stage (or on any device), and the kernel still evaluates `mask_mod` inside
-partial tiles, so the mask is exactly the rule above; `tests/test_attention.py` checks the tables against
-`create_block_mask`. The "mask_mod" builder (`create_block_mask`, compiled) is kept as the reference and ablation.
-CPU: SDPA with a dense boolean mask evaluated from the same `mask_mod` on broadcast index tensors.
+tile tables (which 128x128 query/key tiles are empty, full, or partial) come from the same context ranges
+(`tile_tables`), with no pass over the Q x KV grid: a block's context is one contiguous key range, its own block
+is one contiguous key range, and nothing else is visible. The tables and the ranges are small integer tensors
+([R, Qt, KVt], [R, N]), computed on the CPU in the data stage (or on any device) and travel together
+(`TileTables`), so the step builds the `mask_mod` without any kernel and the BlockMask with a few small ones (its
+transposed tables); the kernel evaluates the `mask_mod` inside partial tiles, so the mask is exactly the rule.
+`tests/test_attention.py` checks the tables against `create_block_mask`. The "mask_mod" builder
+(`create_block_mask`, compiled) is kept as the reference and ablation.
+CPU: SDPA with a dense boolean mask evaluated from the same `mask_mod` on broadcast int32 index tensors.
 """
 
 from __future__ import annotations
@@ -48,44 +61,77 @@ class MaskVariant:
     causal_in_block: bool = False
 
 
+def context_ranges(
+    *,
+    anchors: Tensor,  # [R, N] int64
+    anchor_keep: Tensor,  # [R, N] bool
+    doc_ids: Tensor,  # [R, T] int64, contiguous runs per document, -1 on padding
+    window: int | None = None,
+) -> tuple[Tensor, Tensor]:
+    """The context keys each block sees, as a range [lo, hi): (lo, hi) int32 [R, N].
+
+    hi = a and lo = max(start of a's document, a - W) for a kept block anchored at a; lo = hi (empty) for a
+    dropped one, and for one with nothing before its anchor in its document. Correct because a document is one
+    contiguous run of its id: its positions before a are exactly [start, a). Cost O(R * (T + N))."""
+    rows, context_len = doc_ids.shape
+    anchors = anchors.long()
+    # Start of each position's document: the last index <= t where the document id changed.
+    index = torch.arange(context_len, device=doc_ids.device).expand(rows, context_len)
+    starts = torch.ones_like(doc_ids, dtype=torch.bool)
+    starts[:, 1:] = doc_ids[:, 1:] != doc_ids[:, :-1]
+    doc_start = torch.where(starts, index, torch.zeros_like(index)).cummax(dim=1).values  # [R, T]
+    lo = torch.gather(doc_start, 1, anchors)
+    if window is not None:
+        lo = torch.maximum(lo, anchors - window)
+    hi = torch.where(anchor_keep, anchors, lo)
+    return lo.to(torch.int32), hi.to(torch.int32)
+
+
+def mask_from_ranges(
+    lo: Tensor,  # [R, N] int32
+    hi: Tensor,  # [R, N] int32
+    *,
+    block_size: int,
+    context_len: int,
+    causal_in_block: bool = False,
+) -> MaskMod:
+    """The `mask_mod` of the rule given the blocks' context ranges (`context_ranges`): a query of block n sees
+    context keys [lo[n], hi[n]) and its own block's keys [T + n*B, T + n*B + B), or [T + n*B, T + q] when causal
+    in-block. Tensor ops only (it runs on flex's scalar indices and on broadcast grids), all int32 given int32
+    indices: the ranges are int32 and the sizes Python ints, so nothing promotes to int64."""
+
+    def mask_mod(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+        q_block = q_idx // block_size
+        own = q_block * block_size + context_len  # first key of the query's own block
+        context = (kv_idx >= lo[b, q_block]) & (kv_idx < hi[b, q_block])
+        own_end = (kv_idx <= q_idx + context_len) if causal_in_block else (kv_idx < own + block_size)
+        return context | ((kv_idx >= own) & own_end)
+
+    return mask_mod
+
+
 def dflash_mask_mod(
     *,
     anchors: Tensor,  # [R, N] int64
     anchor_keep: Tensor,  # [R, N] bool
-    doc_ids: Tensor,  # [R, T] int64, -1 on padding
+    doc_ids: Tensor,  # [R, T] int64, contiguous runs per document, -1 on padding
     block_size: int,
     context_len: int,
     window: int | None = None,
     causal_in_block: bool = False,
 ) -> MaskMod:
-    """The single definition of who sees what. Works on scalar index tensors (flex) and on broadcast
-    index grids (dense), so it must use tensor ops only: no Python branching on values."""
-    last_ctx = context_len - 1
-
-    def mask_mod(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
-        q_block = q_idx // block_size
-        anchor = anchors[b, q_block]
-        is_ctx = kv_idx < context_len
-        ctx_pos = torch.clamp(kv_idx, max=last_ctx)
-        same_doc = doc_ids[b, ctx_pos] == doc_ids[b, anchor]
-        ctx_ok = is_ctx & (kv_idx < anchor) & same_doc & anchor_keep[b, q_block]
-        if window is not None:
-            ctx_ok = ctx_ok & (kv_idx >= anchor - window)
-        block_kv = torch.clamp(kv_idx - context_len, min=0)
-        in_block = ~is_ctx & (block_kv // block_size == q_block)
-        if causal_in_block:
-            in_block = in_block & (block_kv % block_size <= q_idx % block_size)
-        return ctx_ok | in_block
-
-    return mask_mod
+    """The rule's `mask_mod` from the anchors: `mask_from_ranges` over `context_ranges`."""
+    lo, hi = context_ranges(anchors=anchors, anchor_keep=anchor_keep, doc_ids=doc_ids, window=window)
+    return mask_from_ranges(lo, hi, block_size=block_size, context_len=context_len, causal_in_block=causal_in_block)
 
 
 def dense_mask(mask_mod: MaskMod, *, rows: int, q_len: int, kv_len: int, device: torch.device) -> Tensor:
     """Evaluate `mask_mod` on the full (row, query, key) grid -> bool [R, 1, Q, KV] for SDPA."""
-    b = torch.arange(rows, device=device).view(rows, 1, 1)
-    h = torch.zeros(1, 1, 1, dtype=torch.long, device=device)
-    q = torch.arange(q_len, device=device).view(1, q_len, 1)
-    kv = torch.arange(kv_len, device=device).view(1, 1, kv_len)
+    # int32, as flex passes its indices: the mask_mod is evaluated in the same dtype on both backends.
+    b = torch.arange(rows, dtype=torch.int32, device=device).view(rows, 1, 1)
+    h = torch.zeros(1, 1, 1, dtype=torch.int32, device=device)
+    q = torch.arange(q_len, dtype=torch.int32, device=device).view(1, q_len, 1)
+    kv = torch.arange(kv_len, dtype=torch.int32, device=device).view(1, 1, kv_len)
     return mask_mod(b, h, q, kv).unsqueeze(1)
 
 
@@ -108,12 +154,16 @@ def block_mask(mask_mod: MaskMod, *, rows: int, q_len: int, kv_len: int, device:
 @dataclass
 class TileTables:
     """A BlockMask's sparsity in flex_attention's (kv_num_blocks, kv_indices) form, one head dimension of 1:
-    per query tile, the key tiles to evaluate with `mask_mod` (partial) and those visible whole (full)."""
+    per query tile, the key tiles to evaluate with `mask_mod` (partial) and those visible whole (full); and the
+    blocks' context ranges (`context_ranges`) that the tables were computed from and the `mask_mod` reads, so the
+    two cannot disagree."""
 
     kv_num_blocks: Tensor  # [R, 1, Qt] int32
     kv_indices: Tensor  # [R, 1, Qt, KVt] int32: partial key tiles first, ascending
     full_kv_num_blocks: Tensor  # [R, 1, Qt] int32
     full_kv_indices: Tensor  # [R, 1, Qt, KVt] int32
+    lo: Tensor  # [R, N] int32: block n sees context keys [lo, hi)
+    hi: Tensor  # [R, N] int32
 
     def to(self, device: torch.device, non_blocking: bool = False) -> TileTables:
         return TileTables(**{f.name: getattr(self, f.name).to(device, non_blocking=non_blocking) for f in fields(self)})
@@ -132,8 +182,8 @@ def tile_tables(
 ) -> TileTables:
     """The tile tables of `dflash_mask_mod` over [N*B queries, T + N*B keys] from the anchors alone.
 
-    Block n (anchor a) sees context [lo, a) with lo = max(start of a's document, a - W) when kept, and its own
-    block's keys. A (query tile, key tile) pair is touched when some block of the query tile sees some key of
+    Block n sees context [lo, hi) (`context_ranges`: [max(doc start, a - W), a) when kept, empty when dropped), and
+    its own block's keys. A (query tile, key tile) pair is touched when some block of the query tile sees some key of
     the tile, and full when every query of the (complete) tile sees every key of the (complete, context-only)
     tile; own-block tiles are always partial (they also hold other blocks' keys, or a causal in-block mask).
     Cost: O(R * (N + Qt * KVt)) integer work, no pass over queries x keys."""
@@ -143,16 +193,9 @@ def tile_tables(
     q_len = num_blocks * block_size
     q_tiles = -(-q_len // TILE)
     kv_tiles = -(-(context_len + q_len) // TILE)
-    # Start of each position's document: the last index <= t where the document id changed.
-    index = torch.arange(context_len, device=device).expand(rows, context_len)
-    starts = torch.ones_like(doc_ids, dtype=torch.bool)
-    starts[:, 1:] = doc_ids[:, 1:] != doc_ids[:, :-1]
-    doc_start = torch.where(starts, index, torch.zeros_like(index)).cummax(dim=1).values  # [R, T]
-    hi = anchors  # [R, N] exclusive end of the context a block sees
-    lo = torch.gather(doc_start, 1, anchors)
-    if window is not None:
-        lo = torch.maximum(lo, anchors - window)
-    seen = anchor_keep & (lo < hi)  # [R, N]: the block sees some context
+    ranges = context_ranges(anchors=anchors, anchor_keep=anchor_keep, doc_ids=doc_ids, window=window)
+    lo, hi = (bound.long() for bound in ranges)  # int64: they become scatter indices below
+    seen = lo < hi  # [R, N]: the block sees some context
     # Per block, the key tiles it touches [lo // TILE, (hi - 1) // TILE] and those it sees whole (complete
     # context tiles inside [lo, hi)), counted per query tile with difference arrays over the key tiles.
     touch_first, touch_last = lo // TILE, (hi - 1) // TILE
@@ -190,7 +233,7 @@ def tile_tables(
     partial = (touched_tiles | own) & ~full_tiles
     kv_num_blocks, kv_indices = ordered_tiles(partial)
     full_kv_num_blocks, full_kv_indices = ordered_tiles(full_tiles)
-    return TileTables(kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices)
+    return TileTables(kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices, *ranges)
 
 
 def mask_tables(
@@ -201,7 +244,10 @@ def mask_tables(
     block_size: int,
     variants: list[MaskVariant] | tuple[MaskVariant, ...],
 ) -> dict[MaskVariant, TileTables]:
-    """`tile_tables` per layer variant (the in-block causality changes no tile, so variants of one window share)."""
+    """`tile_tables` per layer variant. Variants of one window share them: they are the tables of the
+    bidirectional block, which contains the causal one. The in-block causality empties no tile, except where a
+    block straddles two query tiles: a key tile holding only its later slots may then be empty for the earlier
+    query tile, and stays listed as partial (correct, the `mask_mod` hides it; never when B divides 128)."""
     by_window: dict[int | None, TileTables] = {}
     for variant in dict.fromkeys(variants):
         if variant.window not in by_window:
@@ -249,7 +295,9 @@ def build_masks(
     tables: dict[MaskVariant, TileTables] | None = None,
 ) -> DrafterMasks:
     """One mask per variant. flex: from `tables` (precomputed by the data stage) or tables computed here from
-    the anchors (`builder` "anchors"), or by `create_block_mask` ("mask_mod"); sdpa: dense."""
+    the anchors (`builder` "anchors"), or by `create_block_mask` ("mask_mod"); sdpa: dense. The `mask_mod` reads
+    the context ranges of `tables` when given (no kernel on the step's hot path), else computes them here (the
+    dense path, tests, decoding)."""
     rows, num_blocks = anchors.shape
     context_len = doc_ids.shape[1]
     q_len = num_blocks * block_size
@@ -258,20 +306,25 @@ def build_masks(
         tables = mask_tables(
             anchors=anchors, anchor_keep=anchor_keep, doc_ids=doc_ids, block_size=block_size, variants=variants
         )
+    ranges: dict[int | None, tuple[Tensor, Tensor]] = {}
     built: dict[MaskVariant, object] = {}
     for variant in dict.fromkeys(variants):
-        mask_mod = dflash_mask_mod(
-            anchors=anchors,
-            anchor_keep=anchor_keep,
-            doc_ids=doc_ids,
+        if tables is not None:
+            ranges[variant.window] = tables[variant].lo, tables[variant].hi
+        elif variant.window not in ranges:
+            ranges[variant.window] = context_ranges(
+                anchors=anchors, anchor_keep=anchor_keep, doc_ids=doc_ids, window=variant.window
+            )
+        mask_mod = mask_from_ranges(
+            *ranges[variant.window],
             block_size=block_size,
             context_len=context_len,
-            window=variant.window,
             causal_in_block=variant.causal_in_block,
         )
         if backend == "sdpa":
             built[variant] = dense_mask(mask_mod, rows=rows, q_len=q_len, kv_len=kv_len, device=anchors.device)
         elif builder == "anchors":
+            assert tables is not None
             built[variant] = block_mask_from_tables(tables[variant], mask_mod, q_len=q_len, kv_len=kv_len)
         else:
             built[variant] = block_mask(mask_mod, rows=rows, q_len=q_len, kv_len=kv_len, device=anchors.device)

@@ -10,8 +10,9 @@ never changes the loss: padded positions belong to no document (doc id -1, no lo
 and no block sees them; padded anchors are dropped anchors (`anchor_keep` False), whose slots are never valid.
 Causal attention in the target never looks ahead, so padding a row's end leaves its real features unchanged.
 
-When `mask_variants` are given, the flex tile tables of the drafter's masks (`model/attention.py`) are computed
-here too, so the training step builds its BlockMasks without any pass over the attention grid.
+When `mask_variants` are given, the flex tile tables of the drafter's masks (`model/attention.py`) and the blocks'
+context ranges their `mask_mod` reads are computed here too, so the training step builds its BlockMasks without
+any pass over the attention grid, and their `mask_mod` without any kernel.
 """
 
 from __future__ import annotations
@@ -48,7 +49,8 @@ class TrainBatch:
     num_blocks: int
     # Some row holds more than one document.
     packed: bool
-    # Flex tile tables per mask variant, prepared with the batch; None: the step builds them from the anchors.
+    # Flex tile tables and context ranges per mask variant, prepared with the batch; None: the step builds them
+    # from the anchors.
     mask_tables: dict[MaskVariant, TileTables] | None = None
     # Host segment boundaries of the packed rows (`target/documents.py`), computed with the batch so that the
     # target's variable-length attention needs no device-to-host copy in the step; None when not packed.
