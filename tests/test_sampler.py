@@ -342,3 +342,93 @@ def test_count_steps_plans_only_the_epochs_max_steps_needs() -> None:
     assert sampler.planned == [0, 1, 2]  # 5 + 6 steps, then 5 more reach 12
     assert count_steps(CountingSampler(), epochs=3, micro_batches_per_step=2, max_steps=None) == 16
     assert count_steps(CountingSampler(), epochs=3, micro_batches_per_step=2, max_steps=100) == 16
+
+
+def skewed_dataset(n: int = 400, seed: int = 0) -> TokenDataset:
+    """Chat-like samples: a prompt without loss, then a reply with loss that is long for some and short for others
+    (as the SmolLM2 recipe's data: replies cut at the cap beside short ones), so rows differ in anchors."""
+    rng = np.random.default_rng(seed)
+    samples = []
+    for i in range(n):
+        prompt = int(rng.integers(2, 12))
+        reply = 16 if rng.random() < 0.3 else int(rng.integers(1, 6))
+        samples.append((f"s{i}", rng.integers(0, 1000, prompt + reply).tolist(), [0] * prompt + [1] * reply))
+    return dataset_from(samples)
+
+
+def test_anchor_counts_are_what_the_batch_stage_draws() -> None:
+    """The per-sample counts the sampler balances equal the anchors `make_train_batch` draws, row by row."""
+    from dflash_trainer.train.batch import make_train_batch
+
+    dataset = skewed_dataset(120)
+    for max_anchors in (3, 512):
+        counts = dataset.anchor_counts(max_anchors)
+        sampler = TokenBudgetSampler(
+            dataset.lengths, token_budget=96, max_seq_len=32, max_batch_size=4, packing=True, seed=0
+        )
+        for plan in sampler:
+            batch = make_train_batch(
+                collate(dataset, plan, pad_token_id=0),
+                block_size=4,
+                mask_token_id=1,
+                max_anchors=max_anchors,
+                seed=0,
+                epoch=0,
+                index=plan.index,
+            )
+            drawn = batch.anchor_keep.sum(dim=1).tolist()
+            assert drawn == [int(sum(counts[i] for i in row)) for row in plan.rows]
+
+
+def padded_anchor_share(dataset: TokenDataset, counts: np.ndarray | None) -> float:
+    """The share of anchor slots that are padding when every row pads to its batch's fullest row."""
+    sampler = TokenBudgetSampler(
+        dataset.lengths, token_budget=128, max_seq_len=32, max_batch_size=4, packing=True, seed=0, anchor_counts=counts
+    )
+    real = slots = 0
+    per_sample = dataset.anchor_counts(512)
+    for plan in sampler:
+        per_row = [int(sum(per_sample[i] for i in row)) for row in plan.rows]
+        real += sum(per_row)
+        slots += len(per_row) * max(per_row)
+    return 1 - real / slots
+
+
+def test_balanced_rows_cut_anchor_padding_and_keep_every_sample_once() -> None:
+    dataset = skewed_dataset()
+    counts = dataset.anchor_counts(512)
+    plain, balanced = padded_anchor_share(dataset, None), padded_anchor_share(dataset, counts)
+    assert balanced < 0.5 * plain, (plain, balanced)
+    sampler = TokenBudgetSampler(
+        dataset.lengths, token_budget=128, max_seq_len=32, max_batch_size=4, packing=True, seed=0, anchor_counts=counts
+    )
+    for epoch in range(2):
+        sampler.set_epoch(epoch)
+        seen = flat_samples(list(sampler))
+        assert sorted(seen) == list(range(len(dataset)))
+        for plan in sampler:
+            assert len(plan.rows) <= 4
+            assert len(plan.rows) * max(int(dataset.lengths[row].sum()) for row in plan.rows) <= 128
+
+
+def test_anchor_counts_leave_unpacked_batches_and_a_plan_without_them_unchanged() -> None:
+    lengths = random_lengths()
+    counts = np.random.default_rng(3).integers(0, 50, lengths.size)
+    settings = dict(epoch=1, seed=0, token_budget=BUDGET, max_seq_len=MAX_SEQ_LEN, max_batch_size=MAX_ROWS)
+    unpacked = plan_epoch(lengths, packing=False, **settings)
+    assert plan_epoch(lengths, packing=False, anchor_counts=counts, **settings) == unpacked
+    packed = plan_epoch(lengths, packing=True, **settings)
+    assert plan_epoch(lengths, packing=True, anchor_counts=None, **settings) == packed
+    assert plan_epoch(lengths, packing=True, anchor_counts=counts, **settings) != packed
+
+
+def test_resume_with_other_anchor_counts_is_refused() -> None:
+    lengths = random_lengths()
+    counts = np.ones(lengths.size, dtype=np.int64)
+    state = make_sampler(lengths, packing=True, anchor_counts=counts).state_dict()
+    with pytest.raises(ValueError, match="num_anchors"):
+        make_sampler(lengths, packing=True, anchor_counts=2 * counts).load_state_dict(state)
+    with pytest.raises(ValueError, match="num_anchors"):
+        make_sampler(lengths, packing=True).load_state_dict(state)
+    with pytest.raises(ValueError, match="anchor_counts"):
+        make_sampler(lengths, packing=True, anchor_counts=counts[:-1])

@@ -130,6 +130,9 @@ class DataConfig:
     # What to do with samples longer than max_seq_len.
     overlong: Literal["truncate", "skip"] = "truncate"
     max_anchors: int = 512
+    # Sort packed rows by their anchor count when cutting batches, so a batch's rows pad to a similar count
+    # (data/sampler.py); false sorts them by length only.
+    balance_anchors: bool = True
     seed: int = 0
     # Refuse shards whose manifest records another tokenizer (vocabulary fingerprint) than the target's.
     check_tokenizer: bool = True

@@ -231,6 +231,20 @@ class TokenDataset:
         """[N] int64 tokens per sample."""
         return self._lengths
 
+    def anchor_counts(self, max_anchors: int) -> np.ndarray:
+        """[N] int64: the anchors the batch stage draws from each sample, min(valid positions, `max_anchors`).
+
+        A position t is valid when tokens t and t + 1 of the sample both carry loss (`model.anchors`'s rule, with
+        a sample as one document); the batch stage draws up to `max_anchors` of them per document. Computed from
+        the loss masks alone, so the sampler can balance anchors across rows before any batch is built."""
+        loss = self._loss_mask.astype(bool)
+        pair = np.zeros(len(loss), dtype=np.int64)
+        pair[:-1] = loss[:-1] & loss[1:]
+        ends = self._offsets[1:][self._lengths > 0] - 1
+        pair[ends] = 0  # a sample's last token pairs with the next sample's first: never an anchor
+        before = np.concatenate([[0], np.cumsum(pair)])
+        return np.minimum(before[self._offsets[1:]] - before[self._offsets[:-1]], max_anchors)
+
     @property
     def stats(self) -> DatasetStats:
         return self._stats

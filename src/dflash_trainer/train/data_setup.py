@@ -44,6 +44,7 @@ def load_training_data(config: RunConfig, target: LoadedTarget, *, rank: int, wo
         seed=data.seed,
         rank=rank,
         world_size=world_size,
+        anchor_counts=dataset.anchor_counts(data.max_anchors) if data.balance_anchors else None,
     )
     pad = target.tokenizer.pad_token_id
     return TrainingData(dataset=dataset, sampler=sampler, pad_token_id=0 if pad is None else pad)
