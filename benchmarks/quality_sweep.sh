@@ -16,7 +16,7 @@ RES=${RES:-/tmp/results}
 STEPS=${STEPS:-600}
 WAVE=${WAVE:-1}
 MAIN=${MAIN:-$PWD}
-SHARDS=$MAIN/data/smollm2-135m-mathmix48k-256
+SHARDS=${SHARDS:-$MAIN/data/smollm2-135m-mathmix48k-256}  # the main job's shards (set it when MAIN_OVERRIDES moves them)
 CHATS=$SHARDS-chat
 WORK=/tmp/sweep
 mkdir -p "$WORK" "$RES/sweep"
