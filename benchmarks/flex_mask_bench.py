@@ -2,7 +2,7 @@
 
 Run from the repository root on the GPU machine (about a minute on one H200, most of it compiling):
 
-    PYTHONPATH=src python3 benchmarks/flex_mask_bench.py [--rows 16] [--anchors-per-doc 64] [--tile 64]
+    PYTHONPATH=src python3 benchmarks/flex_mask_bench.py [--rows 16] [--anchors-per-doc 64] [--tile 64] [--dynamic]
 
 One drafter layer's attention in the SmolLM2-135M training step: hidden 576 -> 9 query heads, 3 KV heads, head dim
 64, bf16; `--rows` rows of T=1024 context tokens packed from documents shaped like the recipe's regenerated data
@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
+from functools import partial
 
 import numpy as np
 import torch
@@ -106,6 +107,9 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--dynamic", action="store_true", help="compile with dynamic shapes, as the trainer's compiled layers are"
+    )
     args = parser.parse_args()
 
     block, length = args.block_size, args.length
@@ -113,10 +117,10 @@ def main() -> None:
     tables = tile_tables(anchors=anchors, anchor_keep=keep, doc_ids=doc_ids, block_size=block)
     rows, num_blocks = anchors.shape
     q_len, kv_len = num_blocks * block, length + num_blocks * block
-    partial, full = int(tables.kv_num_blocks.sum()), int(tables.full_kv_num_blocks.sum())
+    n_partial, n_full = int(tables.kv_num_blocks.sum()), int(tables.full_kv_num_blocks.sum())
     print(
         f"rows {rows}, T {length}, blocks per row {num_blocks} ({int(keep.sum()) / rows:.0f} kept), Q {q_len}, "
-        f"KV {kv_len}; 128x128 tiles visited per head {partial + full} ({partial} partial)"
+        f"KV {kv_len}; 128x128 tiles visited per head {n_partial + n_full} ({n_partial} partial)"
     )
     if not torch.cuda.is_available():
         sys.exit("flex_mask_bench: needs a CUDA device (flex_attention's Triton kernels); none found")
@@ -136,7 +140,7 @@ def main() -> None:
         for heads, n in ((HEADS, q_len), (KV_HEADS, kv_len), (KV_HEADS, kv_len))
     )
     grad_out = torch.randn_like(q)
-    flex = torch.compile(flex_attention, dynamic=False)  # one static kernel per mask
+    flex = torch.compile(flex_attention, dynamic=args.dynamic)  # static: one kernel per mask
     masks = {
         (name, TILE): block_mask_from_tables(tables, mod, q_len=q_len, kv_len=kv_len) for name, mod in mods.items()
     }

@@ -73,7 +73,8 @@ case "$STAGE" in
       # The experiment sweep, one run at a time on GPU 1, on the main job's data once it is written.
       bench=""
       if [ -n "${BENCH_FIRST:-}" ]; then
-        bench="CUDA_VISIBLE_DEVICES=1 timeout 240 python3 benchmarks/flex_mask_bench.py > $RES/flex_mask_bench.log 2>&1; \
+        bench="for flag in '' --dynamic; do CUDA_VISIBLE_DEVICES=1 timeout 240 python3 benchmarks/flex_mask_bench.py \$flag; \
+          done > $RES/flex_mask_bench.log 2>&1; \
         CUDA_VISIBLE_DEVICES=1 OUT=$RES/train_bench KERNELS=25 ABLATIONS=0 STEPS=6 WARMUP=3 \
           SETTINGS=$BENCH_FIRST timeout 420 bash benchmarks/train_bench.sh > $RES/train_bench.log 2>&1;"
       fi

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from dflash_trainer.data.sampler import BatchPlan, TokenBudgetSampler, collate, plan_epoch
+from dflash_trainer.data.sampler import SORT_WINDOW_BATCHES, BatchPlan, TokenBudgetSampler, collate, plan_epoch
 from dflash_trainer.data.shards import TokenDataset
 
 MAX_SEQ_LEN = 64
@@ -404,22 +404,44 @@ def test_balanced_rows_cut_anchor_padding_and_keep_every_sample_once() -> None:
     )
     for epoch in range(2):
         sampler.set_epoch(epoch)
-        seen = flat_samples(list(sampler))
-        assert sorted(seen) == list(range(len(dataset)))
-        for plan in sampler:
+        plans = list(sampler)
+        assert sorted(flat_samples(plans)) == list(range(len(dataset)))
+        for plan in plans:
             assert len(plan.rows) <= 4
             assert len(plan.rows) * max(int(dataset.lengths[row].sum()) for row in plan.rows) <= 128
 
 
-def test_anchor_counts_leave_unpacked_batches_and_a_plan_without_them_unchanged() -> None:
-    lengths = random_lengths()
+def test_rows_of_a_batch_follow_the_sort_key() -> None:
+    """Batches are cut from windows sorted largest first: by length, or for packed rows by anchor count when the
+    counts are given; unpacked rows stay sorted by length whatever the counts. (Few samples: one sort window, so
+    no batch straddles two windows.)"""
+    lengths = random_lengths(40)
+    assert lengths.sum() < SORT_WINDOW_BATCHES * BUDGET and lengths.size < SORT_WINDOW_BATCHES * MAX_ROWS
     counts = np.random.default_rng(3).integers(0, 50, lengths.size)
     settings = dict(epoch=1, seed=0, token_budget=BUDGET, max_seq_len=MAX_SEQ_LEN, max_batch_size=MAX_ROWS)
-    unpacked = plan_epoch(lengths, packing=False, **settings)
-    assert plan_epoch(lengths, packing=False, anchor_counts=counts, **settings) == unpacked
-    packed = plan_epoch(lengths, packing=True, **settings)
-    assert plan_epoch(lengths, packing=True, anchor_counts=None, **settings) == packed
-    assert plan_epoch(lengths, packing=True, anchor_counts=counts, **settings) != packed
+
+    def keys(batches, key_of) -> list[list[int]]:
+        return [[key_of(row) for row in batch] for batch in batches]
+
+    def length(row) -> int:
+        return int(lengths[row].sum())
+
+    def anchors(row) -> int:
+        return int(counts[row].sum())
+
+    for packing, counts_given, key_of in [
+        (True, False, length),
+        (False, False, length),
+        (False, True, length),
+        (True, True, anchors),
+    ]:
+        batches = plan_epoch(lengths, packing=packing, anchor_counts=counts if counts_given else None, **settings)
+        assert sum(len(batch) for batch in batches) > 2 * len(batches)  # batches of several rows: a real check
+        for row_keys in keys(batches, key_of):
+            assert row_keys == sorted(row_keys, reverse=True), (packing, counts_given, row_keys)
+    # And the key matters: sorted by anchors, the packed rows are not all in length order any more.
+    packed = plan_epoch(lengths, packing=True, anchor_counts=counts, **settings)
+    assert any(row_keys != sorted(row_keys, reverse=True) for row_keys in keys(packed, length))
 
 
 def test_resume_with_other_anchor_counts_is_refused() -> None:
@@ -430,5 +452,23 @@ def test_resume_with_other_anchor_counts_is_refused() -> None:
         make_sampler(lengths, packing=True, anchor_counts=2 * counts).load_state_dict(state)
     with pytest.raises(ValueError, match="num_anchors"):
         make_sampler(lengths, packing=True).load_state_dict(state)
+    # A state from before the balancing (no such key) names the way back.
+    unbalanced = make_sampler(lengths, packing=True).state_dict()
+    del unbalanced["num_anchors"]
+    with pytest.raises(ValueError, match=r"data\.balance_anchors=false"):
+        make_sampler(lengths, packing=True, anchor_counts=counts).load_state_dict(unbalanced)
     with pytest.raises(ValueError, match="anchor_counts"):
         make_sampler(lengths, packing=True, anchor_counts=counts[:-1])
+
+
+def test_anchor_counts_pair_only_within_a_sample_and_skip_empty_ones() -> None:
+    """Anchors need two loss tokens in a row of one sample: never across samples, nothing for an empty one."""
+    dataset = TokenDataset(
+        sample_ids=["a", "b", "c", "d", "e"],
+        tokens=np.arange(10),
+        loss_mask=np.array([0, 1, 1, 1, 0, 1, 1, 1, 1, 1]),
+        offsets=np.array([0, 4, 4, 7, 10, 10]),
+        manifest={},
+    )
+    assert dataset.anchor_counts(512).tolist() == [2, 0, 1, 2, 0]
+    assert dataset.anchor_counts(1).tolist() == [1, 0, 1, 1, 0]

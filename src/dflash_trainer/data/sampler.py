@@ -170,9 +170,15 @@ class TokenBudgetSampler:
             if state.get(key) != value
         ]
         if differing:
+            hint = ""
+            if state.get("num_anchors") is None and self.anchor_counts is not None:
+                hint = (
+                    " (a checkpoint whose batches were not balanced by anchors: resume with data.balance_anchors=false)"
+                )
             raise ValueError(
                 "sampler state comes from other data or settings, so the batch order would not continue: "
                 + "; ".join(differing)
+                + hint
             )
         self.epoch = int(state["epoch"])
         consumed = int(state["consumed"])

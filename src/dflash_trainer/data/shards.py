@@ -238,12 +238,14 @@ class TokenDataset:
         a sample as one document); the batch stage draws up to `max_anchors` of them per document. Computed from
         the loss masks alone, so the sampler can balance anchors across rows before any batch is built."""
         loss = self._loss_mask.astype(bool)
-        pair = np.zeros(len(loss), dtype=np.int64)
+        pair = np.zeros(len(loss), dtype=np.uint8)  # a few bytes per token: datasets may hold billions
         pair[:-1] = loss[:-1] & loss[1:]
-        ends = self._offsets[1:][self._lengths > 0] - 1
-        pair[ends] = 0  # a sample's last token pairs with the next sample's first: never an anchor
-        before = np.concatenate([[0], np.cumsum(pair)])
-        return np.minimum(before[self._offsets[1:]] - before[self._offsets[:-1]], max_anchors)
+        nonempty = self._lengths > 0
+        pair[self._offsets[1:][nonempty] - 1] = 0  # a sample's last token pairs with the next one's first
+        counts = np.zeros(len(self), dtype=np.int64)
+        if nonempty.any():  # segments between consecutive starts of non-empty samples (empty ones hold nothing)
+            counts[nonempty] = np.add.reduceat(pair, self._offsets[:-1][nonempty], dtype=np.int64)
+        return np.minimum(counts, max_anchors)
 
     @property
     def stats(self) -> DatasetStats:
