@@ -13,6 +13,7 @@ from dflash_trainer.model.loss import (
     dflash_loss,
     expected_acceptance,
     slot_weights,
+    target_argmax_labels,
 )
 
 VOCAB = 50
@@ -338,6 +339,61 @@ def test_target_argmax_uses_the_targets_argmax() -> None:
     torch.testing.assert_close(from_target.loss, as_data.loss, rtol=1e-12, atol=0)
     assert not torch.allclose(from_target.loss, data_labels.loss)
     torch.testing.assert_close(from_target.metrics.to_tensor(), as_data.metrics.to_tensor(), rtol=1e-12, atol=0)
+
+
+@pytest.mark.parametrize("chunk_positions", [1, 7, 4096])
+def test_target_argmax_labels_per_position_equal_the_per_slot_argmax(chunk_positions: int) -> None:
+    """The trainer's target-argmax path: one LM-head pass per position, gathered per block slot, then the data-label
+    loss; it must give the per-slot `target_argmax` loss, metrics and gradient (float64), whatever the chunking."""
+    from dflash_trainer.model.anchors import gather_block_states
+
+    gen = torch.Generator().manual_seed(21)
+    rows, length, width, vocab, block = 2, 40, 8, 50, 4
+    final_hidden = torch.randn(rows, length, width, generator=gen, dtype=torch.float64)
+    weight = torch.randn(vocab, width, generator=gen, dtype=torch.float64)
+    bias = torch.randn(vocab, generator=gen, dtype=torch.float64)
+    anchors = torch.tensor([[0, 3, 4, 17, 36, 39], [1, 2, 20, 21, 22, 38]])  # edges of the row included
+    hidden = torch.randn(rows, anchors.shape[1], block, width, generator=gen, dtype=torch.float64)
+    valid = torch.rand(rows, anchors.shape[1], block, generator=gen) < 0.8
+    data_labels = torch.randint(0, vocab, valid.shape, generator=gen)
+    results = []
+    for per_position in (False, True):
+        h = hidden.clone().requires_grad_(True)
+        if per_position:
+            labels = target_argmax_labels(
+                final_hidden, weight, anchors, block_size=block, lm_head_bias=bias, chunk_positions=chunk_positions
+            )
+            out = dflash_loss(h, weight, labels, valid, gamma=3.0, lm_head_bias=bias)
+        else:
+            target_hidden = gather_block_states(states=final_hidden, anchors=anchors, block_size=block)
+            out = dflash_loss(
+                h,
+                weight,
+                data_labels,
+                valid,
+                gamma=3.0,
+                lm_head_bias=bias,
+                label_source="target_argmax",
+                target_hidden=target_hidden,
+            )
+        out.loss.backward()
+        results.append((out.loss.detach(), out.metrics.to_tensor(), h.grad))
+    (ref_loss, ref_metrics, ref_grad), (loss, metrics, grad) = results
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-12, atol=0)
+    torch.testing.assert_close(metrics, ref_metrics, rtol=1e-12, atol=0)
+    torch.testing.assert_close(grad, ref_grad, rtol=1e-12, atol=1e-15)
+    assert float(ref_metrics[4:].sum()) > 0  # some slots counted: the comparison covers real work
+
+
+def test_target_argmax_labels_reject_a_bad_chunk() -> None:
+    with pytest.raises(ValueError, match="chunk_positions"):
+        target_argmax_labels(
+            torch.zeros(1, 4, 2),
+            torch.zeros(3, 2),
+            torch.zeros(1, 1, dtype=torch.long),
+            block_size=2,
+            chunk_positions=0,
+        )
 
 
 def test_soft_loss_is_zero_when_drafter_equals_target() -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import signal
 import subprocess
@@ -43,6 +44,38 @@ def test_loss_falls(tmp_path, shards, hybrid):
     assert last < 0.5 * first, (first, last)
     assert read_metrics(tmp_path / "run")[-1]["acc_per_slot"][0] > 0.8
     assert (summary.last_checkpoint / "drafter.safetensors").is_file()
+
+
+def test_target_argmax_labels_in_the_trainer_are_the_targets_greedy_tokens(tmp_path, shards, monkeypatch):
+    """With `loss.label_source=target_argmax` the trainer labels slot k of anchor a with the target's argmax after
+    position a+k-1, computed once per position: checked against the per-slot definition at every step."""
+    from dflash_trainer.model.anchors import gather_block_states
+    from dflash_trainer.train import trainer as trainer_module
+
+    real = trainer_module.target_argmax_labels
+    checked = []
+
+    def checking(final_hidden, weight, anchors, *, block_size, lm_head_bias=None, **options):
+        labels = real(final_hidden, weight, anchors, block_size=block_size, lm_head_bias=lm_head_bias, **options)
+        states = gather_block_states(states=final_hidden, anchors=anchors, block_size=block_size).to(weight.dtype)
+        logits = states @ weight.T + (0 if lm_head_bias is None else lm_head_bias)
+        checked.append(torch.equal(labels, logits.argmax(dim=-1)))
+        return labels
+
+    monkeypatch.setattr(trainer_module, "target_argmax_labels", checking)
+    target = save_tiny_target(tmp_path / "target")
+    recipe = write_recipe(
+        tmp_path / "r.yaml",
+        tmp_path / "run",
+        target,
+        shards,
+        train={"max_steps": 3},
+        loss={"label_source": "target_argmax"},
+    )
+    summary = Trainer(load_config(recipe), log=lambda _: None).fit()
+    assert summary.steps == 3
+    assert checked and all(checked), checked
+    assert all(math.isfinite(r["loss"]) for r in read_metrics(tmp_path / "run"))
 
 
 def run_cli(recipe: Path, *extra: str) -> subprocess.Popen:

@@ -52,7 +52,7 @@ from ..model.anchors import gather_block_states, kept_blocks_only
 from ..model.attention import build_masks, resolve_backend
 from ..model.config import DrafterModelConfig
 from ..model.drafter import DFlashDrafter
-from ..model.loss import LossMetrics, default_gamma, dflash_loss
+from ..model.loss import LossMetrics, default_gamma, dflash_loss, target_argmax_labels
 from ..model.noise import add_feature_noise, noise_std_at
 from ..model.target_init import copy_target_layers, resolve_layer_ids
 from ..target.capture import (
@@ -554,24 +554,35 @@ class Trainer:
                     backend=self.backend,
                 )
             with self.profiler.stage("loss"):
-                target_hidden = None
-                if outputs.final_hidden is not None:
+                loss_config = self.config.loss
+                labels, label_source, target_hidden = batch.labels, loss_config.label_source, None
+                if outputs.final_hidden is not None and label_source == "target_argmax":
+                    # One LM-head pass per position instead of per block slot (blocks overlap): the same labels.
+                    labels = target_argmax_labels(
+                        outputs.final_hidden,
+                        self.lm_head.weight,
+                        batch.anchors,
+                        block_size=block,
+                        lm_head_bias=getattr(self.lm_head, "bias", None),
+                        chunk_positions=loss_config.chunk_blocks * block,
+                    )
+                    label_source = "data"
+                elif outputs.final_hidden is not None:
                     target_hidden = gather_block_states(
                         states=outputs.final_hidden, anchors=batch.anchors, block_size=block
                     )
-                loss_config = self.config.loss
                 kept = partial(kept_blocks_only, index=batch.kept_blocks)
                 # Hand the loss hidden states in the LM head's dtype: an fp32 hidden would copy a bf16 head to fp32.
                 hidden = hidden.to(self.lm_head.weight.dtype).view(rows, num_blocks, block, -1)  # [R, N, B, H]
                 result = dflash_loss(
                     kept(hidden),
                     self.lm_head.weight,
-                    kept(batch.labels),
+                    kept(labels),
                     kept(batch.valid),
                     gamma=self.gamma,
                     weighting=loss_config.weighting,
                     dpace_alpha=loss_config.dpace_alpha,
-                    label_source=loss_config.label_source,
+                    label_source=label_source,
                     target_hidden=None if target_hidden is None else kept(target_hidden),
                     chunk_blocks=loss_config.chunk_blocks,
                     lm_head_bias=getattr(self.lm_head, "bias", None),
