@@ -30,9 +30,11 @@ Phases (each child):
   block 16, 455 anchors per document) with data labels (the LM head is not needed, so the target stops after the
   deepest tap) through `bench.time_steps`: step time min / median / max over the timed steps (with fla, Triton
   autotuning and compiles on shapes first met in a timed step inflate the median and max; the minimum is the
-  settled step: `time_steps` keeps no per-step times, so how many steps were hit is not counted), target tokens/s,
-  MFU, peak memory. The drafter layers and the loss run eagerly (compiling them costs each child about 25 s of the
-  3 minutes; `--compile` to do it);
+  settled step: `time_steps` keeps no per-step times, so how many steps were hit is not counted), the caching
+  allocator's cudaMalloc retries in the timed steps (near the memory limit it frees its cache and retries, a slow
+  synchronising path: run with `PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True` when they are not 0), target
+  tokens/s, MFU, peak memory. The drafter layers and the loss run eagerly (compiling them costs each child about
+  25 s of the 3 minutes; `--compile` to do it);
 - `decode`: the decoding engine on `--rows` prompts of 512 random tokens: plain decoding (CUDA graphs) and
   speculative decoding with a random 5-layer block-16 drafter (tau about 1): ms per decode step and per verify
   step (the verify/decode ratio is the tau a drafter must beat to speed decoding up), and whether the speculative
@@ -283,7 +285,8 @@ def train_phase(target, *, steps: int, compile_drafter: bool) -> dict:
     mfu = f"{100 * phase.mfu:.1f}%" if phase.mfu is not None else "n/a"
     result["summary"] = (
         f"step ms min/median/max {phase.step_ms_min:.0f}/{phase.step_ms_median:.0f}/{phase.step_ms_max:.0f} over "
-        f"{steps} steps ({phase.recompiles_after_warmup} recompiles after warm-up), {phase.tokens_per_s:,.0f} "
+        f"{steps} steps ({phase.recompiles_after_warmup} recompiles after warm-up, {phase.alloc_retries} allocator "
+        f"retries), {phase.tokens_per_s:,.0f} "
         f"target tok/s at the median, MFU {mfu}, peak {phase.peak_mem_gib:.1f} GiB, first step "
         f"{phase.first_step_s:.0f} s; stages (ms): "
         + " ".join(f"{k} {v:.0f}" for k, v in sorted(phase.stages_ms.items(), key=lambda kv: -kv[1])[:4])

@@ -94,6 +94,9 @@ class PhaseResult:
     peak_mem_gib: float
     first_step_s: float
     recompiles_after_warmup: int
+    # cudaMalloc retries of the caching allocator during the timed steps (it frees its cache and retries when a
+    # request does not fit: a synchronising, slow path that makes a step near the memory limit erratic).
+    alloc_retries: int
     # Stage -> average ms per step over the profiled steps.
     stages_ms: dict[str, float] = field(default_factory=dict)
     # The top kernels over PROFILED_STEPS more steps (`--kernels`), None when not asked for.
@@ -168,6 +171,13 @@ def compiled_frames() -> int:
     return int(counters["frames"]["ok"])
 
 
+def alloc_retries(device: torch.device) -> int:
+    """The caching allocator's cudaMalloc retries so far on `device` (0 off CUDA)."""
+    if device.type != "cuda":
+        return 0
+    return int(torch.cuda.memory_stats(device).get("num_alloc_retries", 0))
+
+
 def time_steps(
     trainer: Trainer,
     works: Iterator[StepWork],
@@ -194,7 +204,7 @@ def time_steps(
     for _ in range(1, warmup):
         run(next(works))
     sync()
-    frames = compiled_frames()
+    frames, retries = compiled_frames(), alloc_retries(device)
     times, tokens, blocks = [], [], []
     for _ in range(steps):
         work = next(works)
@@ -206,6 +216,7 @@ def time_steps(
         tokens.append(sum(b.num_tokens for b in work.batches))
         blocks.append(sum(b.num_blocks for b in work.batches))
     recompiles = compiled_frames() - frames
+    retries = alloc_retries(device) - retries
     trainer._settle_flags()
     median = statistics.median(times)
     tokens_per_step = float(np.mean(tokens))
@@ -242,6 +253,7 @@ def time_steps(
         peak_mem_gib=mem,
         first_step_s=first_step_s,
         recompiles_after_warmup=recompiles,
+        alloc_retries=retries,
         stages_ms=stages,
         kernel_profile=kernel_profile,
     )
@@ -350,7 +362,8 @@ def print_table(results: list[PhaseResult]) -> None:
         print(
             f"{r.name:>32}: {r.step_ms_median:8.1f} ms/step (min {r.step_ms_min:.1f}, max {r.step_ms_max:.1f}) | "
             f"{r.tokens_per_s:9.0f} target tok/s | MFU {mfu} | peak {r.peak_mem_gib:.1f} GiB | "
-            f"first step {r.first_step_s:.1f}s | recompiles {r.recompiles_after_warmup}"
+            f"first step {r.first_step_s:.1f}s | recompiles {r.recompiles_after_warmup} | "
+            f"alloc retries {r.alloc_retries}"
         )
         stages = " ".join(f"{stage} {ms:.1f}" for stage, ms in sorted(r.stages_ms.items(), key=lambda kv: -kv[1]))
         print(f"{'':>32}  stages (ms/step, profiled): {stages}")
