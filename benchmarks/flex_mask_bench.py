@@ -2,19 +2,24 @@
 
 Run from the repository root on the GPU machine (about a minute on one H200, most of it compiling):
 
-    PYTHONPATH=src python3 benchmarks/flex_mask_bench.py [--rows 16] [--anchors-per-doc 64] [--tile 64] [--dynamic]
+    PYTHONPATH=src python3 benchmarks/flex_mask_bench.py [--rows 16] [--anchors-per-doc 64] [--tiles 128,64]
+        [--dynamic] [--max-autotune]
 
 One drafter layer's attention in the SmolLM2-135M training step: hidden 576 -> 9 query heads, 3 KV heads, head dim
 64, bf16; `--rows` rows of T=1024 context tokens packed from documents shaped like the recipe's regenerated data
 (`bench.smollm2_documents`: about 250 tokens, about 117 supervised), every valid response position an anchor (about
-480 blocks of 16 per row) or `--anchors-per-doc` random ones per document. Both masks share the BlockMask tables
+440 kept blocks of 16 per row, 592 with the padding to the fullest row) or `--anchors-per-doc` random ones per document. Both masks share the BlockMask tables
 of `tile_tables` (the production ones); only the mask_mod the kernel evaluates inside partial tiles differs:
 (a) "int64 rule": the element-wise rule as production evaluated it before (document ids compared per key, int64
 captured tensors); (b) "int32 ranges": production's `mask_from_ranges`. Times compiled flex_attention forward and
 forward+backward with CUDA events after warm-up (median of `--repeats`), prints ms and the effective TFLOP/s of the
-visited tiles (4 * 128 * kv_tile * 64 per (query tile, key tile, head) forward, 2.5x that backward), a 5-layer
-step estimate, and the largest difference between (a) and (b) (outputs and gradients; expected 0).
-`--tile 64`: also key tiles of 64 (BlockMask from compiled `create_block_mask` with BLOCK_SIZE (128, 64)).
+visited tiles (4 * tile * tile * 64 per (query tile, key tile, head) forward, 2.5x that backward), a 5-layer
+step estimate, and the largest difference of every row from (a) at the first tile (outputs and gradients; 0 for
+(b) at that tile, bf16 rounding at another tile, whose kernel sums in another order).
+`--tiles 128,64`: each mask in tiles of 128 and of 64 queries x keys (`drafter.flex_tile`; the production tables
+of `tile_tables` for each). The default Hopper backward kernel at head dim 64 is 128 wide and does not fit tiles of
+64 (that row then fails); `--max-autotune` compiles with mode max-autotune-no-cudagraphs, whose kernel choices include
+32- and 64-wide ones (and autotunes the 128 tiles too: compare like with like).
 Without CUDA it builds the layout and the tables on the CPU, prints their summary and exits with an error.
 """
 
@@ -27,7 +32,7 @@ from functools import partial
 
 import numpy as np
 import torch
-from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+from torch.nn.attention.flex_attention import flex_attention
 
 from dflash_trainer.bench import smollm2_documents
 from dflash_trainer.flex import TILE
@@ -103,7 +108,8 @@ def main() -> None:
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--anchors-per-doc", type=int, default=None, help="default: every valid position")
     parser.add_argument("--causal-in-block", action="store_true")
-    parser.add_argument("--tile", type=int, choices=[64, 128], default=128, help="64: also key tiles of 64")
+    parser.add_argument("--tiles", default=str(TILE), help="comma-separated flex tile sizes (16, 32, 64, 128)")
+    parser.add_argument("--max-autotune", action="store_true", help="compile mode max-autotune-no-cudagraphs")
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--seed", type=int, default=0)
@@ -113,26 +119,36 @@ def main() -> None:
     args = parser.parse_args()
 
     block, length = args.block_size, args.length
+    tiles = [int(t) for t in args.tiles.split(",")]
     anchors, keep, doc_ids = layout(args.rows, length, args.anchors_per_doc, block, args.seed)
-    tables = tile_tables(anchors=anchors, anchor_keep=keep, doc_ids=doc_ids, block_size=block)
+    tables = {
+        tile: tile_tables(anchors=anchors, anchor_keep=keep, doc_ids=doc_ids, block_size=block, tile=tile)
+        for tile in tiles
+    }
     rows, num_blocks = anchors.shape
     q_len, kv_len = num_blocks * block, length + num_blocks * block
-    n_partial, n_full = int(tables.kv_num_blocks.sum()), int(tables.full_kv_num_blocks.sum())
     print(
-        f"rows {rows}, T {length}, blocks per row {num_blocks} ({int(keep.sum()) / rows:.0f} kept), Q {q_len}, "
-        f"KV {kv_len}; 128x128 tiles visited per head {n_partial + n_full} ({n_partial} partial)"
+        f"rows {rows}, T {length}, blocks per row {num_blocks} ({int(keep.sum()) / rows:.0f} kept), "
+        f"Q {q_len}, KV {kv_len}"
     )
+    for tile, table in tables.items():
+        n_partial, n_full = int(table.kv_num_blocks.sum()), int(table.full_kv_num_blocks.sum())
+        print(
+            f"  tile {tile}: {n_partial + n_full} tiles visited per head ({n_partial} partial), "
+            f"{(n_partial + n_full) * tile * tile / 1e6:.1f}M elements"
+        )
     if not torch.cuda.is_available():
         sys.exit("flex_mask_bench: needs a CUDA device (flex_attention's Triton kernels); none found")
 
     torch._dynamo.config.cache_size_limit = 64
     device = torch.device("cuda")
+    tables = {tile: table.to(device) for tile, table in tables.items()}
     anchors, keep, doc_ids = (t.to(device) for t in (anchors, keep, doc_ids))
-    tables = tables.to(device)
     common = dict(block_size=block, context_len=length, causal_in_block=args.causal_in_block)
+    any_table = next(iter(tables.values()))  # the ranges are the same for every tile
     mods = {
         "int64 rule": int64_rule(anchors=anchors, anchor_keep=keep, doc_ids=doc_ids, **common),
-        "int32 ranges": mask_from_ranges(tables.lo, tables.hi, **common),
+        "int32 ranges": mask_from_ranges(any_table.lo, any_table.hi, **common),
     }
     gen = torch.Generator(device=device).manual_seed(args.seed)
     q, k, v = (
@@ -140,14 +156,13 @@ def main() -> None:
         for heads, n in ((HEADS, q_len), (KV_HEADS, kv_len), (KV_HEADS, kv_len))
     )
     grad_out = torch.randn_like(q)
-    flex = torch.compile(flex_attention, dynamic=args.dynamic)  # static: one kernel per mask
+    mode = "max-autotune-no-cudagraphs" if args.max_autotune else None
+    flex = torch.compile(flex_attention, dynamic=args.dynamic, mode=mode)  # static: one kernel per mask
     masks = {
-        (name, TILE): block_mask_from_tables(tables, mod, q_len=q_len, kv_len=kv_len) for name, mod in mods.items()
+        (name, tile): block_mask_from_tables(table, mod, q_len=q_len, kv_len=kv_len)
+        for tile, table in tables.items()
+        for name, mod in mods.items()
     }
-    if args.tile == 64:
-        build = torch.compile(create_block_mask)
-        for name, mod in mods.items():
-            masks[name, 64] = build(mod, rows, None, q_len, kv_len, device=device, BLOCK_SIZE=(TILE, 64))
 
     def run(bm, backward: bool) -> list[torch.Tensor]:
         leaves = [t.detach().requires_grad_(backward) for t in (q, k, v)]
@@ -155,27 +170,27 @@ def main() -> None:
         return [out, *torch.autograd.grad(out, leaves, grad_out)] if backward else [out]
 
     results = {}
-    for (name, kv_tile), bm in masks.items():
+    for (name, tile), bm in masks.items():
         visited = int(bm.kv_num_blocks.sum() + bm.full_kv_num_blocks.sum()) * HEADS
-        fwd_flop = visited * 4 * TILE * kv_tile * HEAD_DIM
+        fwd_flop = visited * 4 * tile * tile * HEAD_DIM
         try:
             with torch.no_grad():
                 fwd_ms = median_ms(partial(run, bm, False), args.warmup, args.repeats)
             both_ms = median_ms(partial(run, bm, True), args.warmup, args.repeats)
-        except Exception as error:  # e.g. a backward without configs for key tiles of 64
-            print(f"{name:>12} kv tile {kv_tile:>3}: failed: {type(error).__name__}: {str(error)[:300]}")
+        except Exception as error:  # e.g. a backward without a kernel that fits tiles of 64
+            print(f"{name:>12} tile {tile:>3}: failed: {type(error).__name__}: {str(error)[:300]}")
             continue
-        results[name, kv_tile] = run(bm, True)
+        results[name, tile] = run(bm, True)
         print(
-            f"{name:>12} kv tile {kv_tile:>3}: fwd {fwd_ms:7.3f} ms {fwd_flop / fwd_ms / 1e9:6.1f} TFLOP/s | "
+            f"{name:>12} tile {tile:>3}: fwd {fwd_ms:7.3f} ms {fwd_flop / fwd_ms / 1e9:6.1f} TFLOP/s | "
             f"fwd+bwd {both_ms:7.3f} ms {3.5 * fwd_flop / both_ms / 1e9:6.1f} TFLOP/s | "
             f"{LAYERS} layers {LAYERS * both_ms:6.1f} ms per step"
         )
-    for kv_tile in sorted({tile for _, tile in results}):
-        pair = [results.get((name, kv_tile)) for name in mods]
-        if all(pair):
-            diff = max(float((a.float() - b.float()).abs().max()) for a, b in zip(*pair, strict=True))
-            print(f"kv tile {kv_tile}: max abs diff int64 rule vs int32 ranges (out, dq, dk, dv): {diff:.3g}")
+    reference = results.get(("int64 rule", tiles[0]))
+    for (name, tile), result in results.items():
+        if reference is not None and (name, tile) != ("int64 rule", tiles[0]):
+            diff = max(float((a.float() - b.float()).abs().max()) for a, b in zip(reference, result, strict=True))
+            print(f"{name} tile {tile} vs int64 rule tile {tiles[0]}: max abs diff (out, dq, dk, dv) {diff:.3g}")
 
 
 if __name__ == "__main__":

@@ -4,7 +4,8 @@
 #   paper setting:  random Qwen3-8B-shaped target, packed 8192-token rows (recipes/bench-qwen3-8b.yaml)
 #   SmolLM2 setting: random SmolLM2-135M-shaped target, the GPU recipe's batch shape (recipes/bench-smollm2.yaml)
 # Each ablation is one more end-to-end phase in the same process with one optimisation switched off.
-# STEPS / WARMUP override the step counts; ABLATIONS=0 runs the baselines only; KERNELS=N also prints each phase's
+# STEPS / WARMUP override the step counts; ABLATIONS=0 runs the baselines only, ABLATIONS=new the SmolLM2 ablations
+# of the changes not yet measured (NEW_ABLATIONS); RUN_TIMEOUT (s, default 200) bounds each setting's process; KERNELS=N also prints each phase's
 # N kernels with the most device time (bench --kernels), and TRACES=1 writes their Chrome traces under
 # $OUT/traces-<setting>/ (tens of MB each); SETTINGS=smollm2 (or paper) runs one setting only.
 set -u
@@ -17,8 +18,18 @@ nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$OUT/gpu.t
 
 SMOLLM2_ABLATIONS=()
 PAPER_ABLATIONS=()
-if [ "${ABLATIONS:-1}" != 0 ]; then
-  SMOLLM2_ABLATIONS=(
+# Changes since the last measurement (2026-12-01), each against the baseline phase: sorted-by-anchors batches
+# (unbalanced = before), Inductor's autotuned kernels, flex tiles of 64 (which need the autotuned kernels).
+NEW_ABLATIONS=(
+  --ablation "unbalanced:data.balance_anchors=false"
+  --ablation "autotune:drafter.compile_mode=max-autotune-no-cudagraphs"
+  --ablation "tile64:drafter.flex_tile=64,drafter.compile_mode=max-autotune-no-cudagraphs"
+)
+if [ "${ABLATIONS:-1}" = new ]; then
+  SMOLLM2_ABLATIONS=("${NEW_ABLATIONS[@]}")
+elif [ "${ABLATIONS:-1}" != 0 ]; then
+  SMOLLM2_ABLATIONS=("${NEW_ABLATIONS[@]}"
+
     --ablation "no_prefetch:data.prefetch_steps=0"
     --ablation "mask_mod_builder:drafter.mask_builder=mask_mod"
     --ablation "eager_loss:loss.compile=false"
@@ -40,7 +51,7 @@ run() {  # name, recipe, ablations...
   if [ "${TRACES:-0}" = 1 ]; then kernels+=(--trace-dir "$OUT/traces-$name"); fi
   case ",${SETTINGS:-paper,smollm2}," in *",$name,"*) ;; *) return ;; esac
   echo "=== $name"
-  timeout 200 python3 -m dflash_trainer bench "$recipe" --steps "$STEPS" --warmup "$WARMUP" "$@" ${kernels[@]+"${kernels[@]}"} \
+  timeout "${RUN_TIMEOUT:-200}" python3 -m dflash_trainer bench "$recipe" --steps "$STEPS" --warmup "$WARMUP" "$@" ${kernels[@]+"${kernels[@]}"} \
     --out "$OUT/$name.json" 2>&1 | grep -v "Loading weights" | tee "$OUT/$name.log" \
     | grep -E "^bench:|ms/step|stages|kernels busy| ms +[0-9.]+ % |Error|error"
 }

@@ -165,6 +165,39 @@ def test_mask_from_ranges_equals_element_wise_oracle(block_size, window, causal_
         assert_tables_equal(tables, reference, kv_tiles=-(-grid["kv_len"] // TILE))
 
 
+@pytest.mark.parametrize("tile", [16, 32, 64])
+@pytest.mark.parametrize("block_size", [8, 12, 16])
+def test_tile_tables_of_smaller_tiles_equal_create_block_mask(tile, block_size):
+    """`drafter.flex_tile` below 128: the tables computed from the anchors are those `create_block_mask` finds
+    with BLOCK_SIZE=tile, including blocks that straddle query tiles (block 12) and blocks larger than a
+    quarter tile, and the BlockMask built from them has that tile size."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    from dflash_trainer.model.attention import block_mask_from_tables
+
+    gen = torch.Generator().manual_seed(tile * 100 + block_size)
+    for window in (None, 7):
+        anchors, keep, doc_ids = random_layout(gen, block_size, min_blocks=2 * TILE // block_size)
+        rows, context_len = doc_ids.shape
+        q_len = anchors.shape[1] * block_size
+        kv_len = context_len + q_len
+        args = dict(anchors=anchors, anchor_keep=keep, doc_ids=doc_ids, block_size=block_size)
+        tables = tile_tables(**args, window=window, tile=tile)
+        oracle = oracle_mask_mod(**args, context_len=context_len, window=window)
+        reference = create_block_mask(oracle, rows, None, q_len, kv_len, device="cpu", BLOCK_SIZE=tile)
+        assert tables.kv_indices.shape == (rows, 1, -(-q_len // tile), -(-kv_len // tile))
+        assert_tables_equal(tables, reference, kv_tiles=-(-kv_len // tile))
+        mask = block_mask_from_tables(
+            tables,
+            mask_from_ranges(tables.lo, tables.hi, block_size=block_size, context_len=context_len),
+            q_len=q_len,
+            kv_len=kv_len,
+        )
+        assert (tile, tile) == mask.BLOCK_SIZE
+        moved = tables.to(torch.device("cpu"))
+        assert moved.tile == tile and torch.equal(moved.kv_indices, tables.kv_indices)
+
+
 def test_mask_mod_stays_int32():
     """Traced on int32 indices (what flex passes), every intermediate of the mask_mod is int32 or bool."""
     from torch.fx.experimental.proxy_tensor import make_fx
@@ -193,7 +226,8 @@ def test_mask_never_leaves_a_query_without_keys():
 
 
 @pytest.mark.parametrize("sliding", [False, True])
-def test_flex_and_dense_drafter_forward_agree(sliding):
+@pytest.mark.parametrize("tile", [128, 16])
+def test_flex_and_dense_drafter_forward_agree(sliding, tile):
     config = tiny_drafter_config(
         layer_types=["sliding_attention", "full_attention"] if sliding else None,
         sliding_window=6 if sliding else None,
@@ -212,7 +246,10 @@ def test_flex_and_dense_drafter_forward_agree(sliding):
             block_size=config.block_size,
             variants=drafter.mask_variants,
             backend=backend,
+            tile=tile,
         )
+        if backend == "flex":
+            assert (tile, tile) == masks.for_variant(drafter.mask_variants[0]).BLOCK_SIZE
         with torch.no_grad(), warnings.catch_warnings():
             warnings.simplefilter("ignore")  # eager flex warns that it is the unfused reference
             outputs[backend] = drafter(

@@ -128,3 +128,30 @@ def test_sigterm_then_resume_reproduces_the_uninterrupted_run(tmp_path, shards):
     assert [s for s, _ in curve_b] == list(range(1, 21))
     for (step_a, loss_a), (step_b, loss_b) in zip(curve_a, curve_b, strict=True):
         assert step_a == step_b and abs(loss_a - loss_b) < 1e-6
+
+
+def test_the_data_stage_builds_flex_tables_of_the_configured_tile(tmp_path):
+    """`drafter.flex_tile` reaches the tables the data stage computes (and the BlockMasks built from them); a tile
+    flex has no kernels for is refused when the recipe loads."""
+    from dflash_trainer.config import ConfigError
+    from dflash_trainer.model.attention import build_masks
+
+    target = save_tiny_target(tmp_path / "target")
+    shards = write_counting_shards(tmp_path / "shards", num_samples=48)
+    recipe = write_recipe(tmp_path / "r.yaml", tmp_path / "run", target, shards, train={"max_steps": 2})
+    with pytest.raises(ConfigError, match=r"drafter\.flex_tile"):
+        load_config(recipe, ["drafter.flex_tile=48"])
+    trainer = Trainer(load_config(recipe, ["drafter.attention_backend=flex", "drafter.flex_tile=32"]), log=print)
+    plan = next(iter(trainer.sampler))
+    batch = trainer.make_batch(plan)
+    assert {tables.tile for tables in batch.mask_tables.values()} == {32}
+    masks = build_masks(
+        anchors=batch.anchors,
+        anchor_keep=batch.anchor_keep,
+        doc_ids=batch.doc_ids,
+        block_size=trainer.model_config.block_size,
+        variants=trainer.drafter.mask_variants,
+        backend="flex",
+        tables=batch.mask_tables,
+    )
+    assert {mask.BLOCK_SIZE for mask in masks.by_variant.values()} == {(32, 32)}

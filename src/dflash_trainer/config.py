@@ -74,6 +74,11 @@ class DrafterConfig:
     # flex BlockMasks from tile tables computed from the anchors in the data stage ("anchors"), or by
     # evaluating the mask on the whole grid with create_block_mask ("mask_mod", the reference).
     mask_builder: Literal["anchors", "mask_mod"] = "anchors"
+    # flex tile (queries x keys) of the drafter's BlockMasks. Smaller tiles visit fewer elements (on the SmolLM2
+    # recipe's data about 0.7x the 128-tile's at 64, 0.6x at 32) but run smaller kernels; below 128 the default
+    # Hopper backward kernel (128 wide at head dim 64-128) does not fit the tiles: use them with
+    # drafter.compile_mode=max-autotune-no-cudagraphs, whose kernel choices include 32- and 64-wide ones.
+    flex_tile: int = 128  # flex.TILE
 
     def validate(self) -> None:
         _require(self.num_layers >= 1, "drafter.num_layers", "must be >= 1")
@@ -83,6 +88,11 @@ class DrafterConfig:
             _require(bool(self.target_layer_ids), "drafter.target_layer_ids", "must name at least one layer")
             _require(min(self.target_layer_ids) >= 0, "drafter.target_layer_ids", "layer ids must be >= 0")
         _require(self.mask_token_id is None or self.mask_token_id >= 0, "drafter.mask_token_id", "must be >= 0")
+        _require(
+            self.flex_tile in (16, 32, 64, 128),
+            "drafter.flex_tile",
+            f"must be 16, 32, 64 or 128 (flex_attention's tile sizes), got {self.flex_tile}",
+        )
         _require(
             self.init_layers_from_target is None or len(self.init_layers_from_target) == self.num_layers,
             "drafter.init_layers_from_target",

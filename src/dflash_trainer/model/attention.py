@@ -142,13 +142,13 @@ def _compiled_create_block_mask() -> Callable:
     return torch.compile(create_block_mask, dynamic=True)
 
 
-def block_mask(mask_mod: MaskMod, *, rows: int, q_len: int, kv_len: int, device: torch.device):
+def block_mask(mask_mod: MaskMod, *, rows: int, q_len: int, kv_len: int, device: torch.device, tile: int = TILE):
     """flex_attention BlockMask for `mask_mod` by evaluating it on the whole grid (compiled on CUDA: the eager
     builder materialises the grid). The reference builder; `tile_tables` gets the same tables from the anchors."""
     from torch.nn.attention.flex_attention import create_block_mask
 
     build = _compiled_create_block_mask() if device.type == "cuda" else create_block_mask
-    return build(mask_mod, B=rows, H=None, Q_LEN=q_len, KV_LEN=kv_len, device=device)
+    return build(mask_mod, B=rows, H=None, Q_LEN=q_len, KV_LEN=kv_len, device=device, BLOCK_SIZE=tile)
 
 
 @dataclass
@@ -164,12 +164,18 @@ class TileTables:
     full_kv_indices: Tensor  # [R, 1, Qt, KVt] int32
     lo: Tensor  # [R, N] int32: block n sees context keys [lo, hi)
     hi: Tensor  # [R, N] int32
+    tile: int = TILE  # queries and keys per tile (the BlockMask's BLOCK_SIZE)
+
+    def _map(self, fn: Callable[[Tensor], Tensor]) -> TileTables:
+        return TileTables(
+            **{f.name: fn(getattr(self, f.name)) for f in fields(self) if f.name != "tile"}, tile=self.tile
+        )
 
     def to(self, device: torch.device, non_blocking: bool = False) -> TileTables:
-        return TileTables(**{f.name: getattr(self, f.name).to(device, non_blocking=non_blocking) for f in fields(self)})
+        return self._map(lambda t: t.to(device, non_blocking=non_blocking))
 
     def pin_memory(self) -> TileTables:
-        return TileTables(**{f.name: getattr(self, f.name).pin_memory() for f in fields(self)})
+        return self._map(Tensor.pin_memory)
 
 
 def tile_tables(
@@ -179,8 +185,10 @@ def tile_tables(
     doc_ids: Tensor,  # [R, T] int64, contiguous runs per document, -1 on padding
     block_size: int,
     window: int | None = None,
+    tile: int = TILE,
 ) -> TileTables:
-    """The tile tables of `dflash_mask_mod` over [N*B queries, T + N*B keys] from the anchors alone.
+    """The tile tables of `dflash_mask_mod` over [N*B queries, T + N*B keys] from the anchors alone, in tiles of
+    `tile` queries x `tile` keys.
 
     Block n sees context [lo, hi) (`context_ranges`: [max(doc start, a - W), a) when kept, empty when dropped), and
     its own block's keys. A (query tile, key tile) pair is touched when some block of the query tile sees some key of
@@ -191,30 +199,30 @@ def tile_tables(
     context_len = doc_ids.shape[1]
     device = anchors.device
     q_len = num_blocks * block_size
-    q_tiles = -(-q_len // TILE)
-    kv_tiles = -(-(context_len + q_len) // TILE)
+    q_tiles = -(-q_len // tile)
+    kv_tiles = -(-(context_len + q_len) // tile)
     ranges = context_ranges(anchors=anchors, anchor_keep=anchor_keep, doc_ids=doc_ids, window=window)
     lo, hi = (bound.long() for bound in ranges)  # int64: they become scatter indices below
     seen = lo < hi  # [R, N]: the block sees some context
-    # Per block, the key tiles it touches [lo // TILE, (hi - 1) // TILE] and those it sees whole (complete
+    # Per block, the key tiles it touches [lo // tile, (hi - 1) // tile] and those it sees whole (complete
     # context tiles inside [lo, hi)), counted per query tile with difference arrays over the key tiles.
-    touch_first, touch_last = lo // TILE, (hi - 1) // TILE
-    full_first, full_last = -(-lo // TILE), torch.clamp(hi // TILE, max=context_len // TILE) - 1
+    touch_first, touch_last = lo // tile, (hi - 1) // tile
+    full_first, full_last = -(-lo // tile), torch.clamp(hi // tile, max=context_len // tile) - 1
     q_tile = torch.arange(q_tiles, device=device)
-    first = (q_tile * TILE) // block_size  # [Qt]: blocks [first, last] hold the queries of query tile i
-    last = torch.clamp((q_tile * TILE + TILE - 1) // block_size, max=num_blocks - 1)
+    first = (q_tile * tile) // block_size  # [Qt]: blocks [first, last] hold the queries of query tile i
+    last = torch.clamp((q_tile * tile + tile - 1) // block_size, max=num_blocks - 1)
     block = torch.arange(num_blocks, device=device)
     # A block belongs to the query tiles of its first and its last query (the same one unless it straddles).
-    tile_of_block = [(block * block_size) // TILE, (block * block_size + block_size - 1) // TILE]
+    tile_of_block = [(block * block_size) // tile, (block * block_size + block_size - 1) // tile]
 
     def covering(first_tile: Tensor, last_tile: Tensor, present: Tensor) -> Tensor:
         """[R, Qt, KVt] int32: blocks of each query tile whose range [first_tile, last_tile] covers key tile j."""
         diff = torch.zeros(rows, q_tiles, kv_tiles + 1, dtype=torch.int32, device=device)
         weight = present.to(torch.int32)
-        for k, tile in enumerate(tile_of_block):
+        for k, query_tile in enumerate(tile_of_block):
             if k == 1:  # count a straddling block in its second query tile too, and no other block twice
-                weight = weight * (tile != tile_of_block[0]).to(torch.int32)
-            base = tile * (kv_tiles + 1)  # [N]
+                weight = weight * (query_tile != tile_of_block[0]).to(torch.int32)
+            base = query_tile * (kv_tiles + 1)  # [N]
             flat = diff.view(rows, -1)
             flat.scatter_add_(1, base + first_tile, weight)
             flat.scatter_add_(1, base + torch.clamp(last_tile + 1, min=0), -weight)
@@ -223,17 +231,17 @@ def tile_tables(
     touched_tiles = covering(touch_first, touch_last, seen) > 0
     full_present = seen & (full_first <= full_last)
     members = (last - first + 1).view(1, q_tiles, 1)
-    complete_q = ((q_tile + 1) * TILE <= q_len).view(1, q_tiles, 1)
+    complete_q = ((q_tile + 1) * tile <= q_len).view(1, q_tiles, 1)
     full_tiles = (covering(full_first, full_last, full_present) == members) & complete_q
     # Own-block keys of query tile i: T + [first * B, (last + 1) * B).
-    own_lo = (context_len + first * block_size) // TILE  # [Qt]
-    own_hi = (context_len + (last + 1) * block_size - 1) // TILE
+    own_lo = (context_len + first * block_size) // tile  # [Qt]
+    own_hi = (context_len + (last + 1) * block_size - 1) // tile
     kv_tile = torch.arange(kv_tiles, device=device)
     own = (kv_tile >= own_lo.unsqueeze(-1)) & (kv_tile <= own_hi.unsqueeze(-1))  # [Qt, KVt]
     partial = (touched_tiles | own) & ~full_tiles
     kv_num_blocks, kv_indices = ordered_tiles(partial)
     full_kv_num_blocks, full_kv_indices = ordered_tiles(full_tiles)
-    return TileTables(kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices, *ranges)
+    return TileTables(kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices, *ranges, tile=tile)
 
 
 def mask_tables(
@@ -243,16 +251,22 @@ def mask_tables(
     doc_ids: Tensor,
     block_size: int,
     variants: list[MaskVariant] | tuple[MaskVariant, ...],
+    tile: int = TILE,
 ) -> dict[MaskVariant, TileTables]:
     """`tile_tables` per layer variant. Variants of one window share them: they are the tables of the
     bidirectional block, which contains the causal one. The in-block causality empties no tile, except where a
     block straddles two query tiles: a key tile holding only its later slots may then be empty for the earlier
-    query tile, and stays listed as partial (correct, the `mask_mod` hides it; never when B divides 128)."""
+    query tile, and stays listed as partial (correct, the `mask_mod` hides it; never when B divides the tile)."""
     by_window: dict[int | None, TileTables] = {}
     for variant in dict.fromkeys(variants):
         if variant.window not in by_window:
             by_window[variant.window] = tile_tables(
-                anchors=anchors, anchor_keep=anchor_keep, doc_ids=doc_ids, block_size=block_size, window=variant.window
+                anchors=anchors,
+                anchor_keep=anchor_keep,
+                doc_ids=doc_ids,
+                block_size=block_size,
+                window=variant.window,
+                tile=tile,
             )
     return {variant: by_window[variant.window] for variant in dict.fromkeys(variants)}
 
@@ -266,7 +280,7 @@ def block_mask_from_tables(tables: TileTables, mask_mod: MaskMod, *, q_len: int,
         tables.kv_indices,
         tables.full_kv_num_blocks,
         tables.full_kv_indices,
-        BLOCK_SIZE=TILE,
+        BLOCK_SIZE=tables.tile,
         mask_mod=mask_mod,
         seq_lengths=(q_len, kv_len),
     )
@@ -293,18 +307,24 @@ def build_masks(
     backend: Backend,
     builder: MaskBuilder = "anchors",
     tables: dict[MaskVariant, TileTables] | None = None,
+    tile: int = TILE,
 ) -> DrafterMasks:
     """One mask per variant. flex: from `tables` (precomputed by the data stage) or tables computed here from
-    the anchors (`builder` "anchors"), or by `create_block_mask` ("mask_mod"); sdpa: dense. The `mask_mod` reads
-    the context ranges of `tables` when given (no kernel on the step's hot path), else computes them here (the
-    dense path, tests, decoding)."""
+    the anchors (`builder` "anchors"), or by `create_block_mask` ("mask_mod"), in tiles of `tile` (precomputed
+    tables carry their own); sdpa: dense. The `mask_mod` reads the context ranges of `tables` when given (no kernel
+    on the step's hot path), else computes them here (the dense path, tests, decoding)."""
     rows, num_blocks = anchors.shape
     context_len = doc_ids.shape[1]
     q_len = num_blocks * block_size
     kv_len = context_len + q_len
     if backend == "flex" and builder == "anchors" and tables is None:
         tables = mask_tables(
-            anchors=anchors, anchor_keep=anchor_keep, doc_ids=doc_ids, block_size=block_size, variants=variants
+            anchors=anchors,
+            anchor_keep=anchor_keep,
+            doc_ids=doc_ids,
+            block_size=block_size,
+            variants=variants,
+            tile=tile,
         )
     ranges: dict[int | None, tuple[Tensor, Tensor]] = {}
     built: dict[MaskVariant, object] = {}
@@ -327,7 +347,9 @@ def build_masks(
             assert tables is not None
             built[variant] = block_mask_from_tables(tables[variant], mask_mod, q_len=q_len, kv_len=kv_len)
         else:
-            built[variant] = block_mask(mask_mod, rows=rows, q_len=q_len, kv_len=kv_len, device=anchors.device)
+            built[variant] = block_mask(
+                mask_mod, rows=rows, q_len=q_len, kv_len=kv_len, device=anchors.device, tile=tile
+            )
     return DrafterMasks(backend=backend, by_variant=built)
 
 

@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from ..data.sampler import PackedBatch
+from ..flex import TILE
 from ..model.anchors import block_input_ids, block_labels, block_positions, sample_anchors
 from ..model.attention import MaskVariant, TileTables, mask_tables
 from ..target.capture import FeatureCapture, TargetOutputs
@@ -137,6 +138,7 @@ def make_train_batch(
     anchor_multiple: int = 1,
     pad_token_id: int = 0,
     mask_variants: list[MaskVariant] | None = None,
+    mask_tile: int = TILE,
 ) -> TrainBatch:
     # Anchors are drawn before the rows are padded: the draw depends on the row length, and padding must not
     # change which anchors a batch gets.
@@ -159,7 +161,12 @@ def make_train_batch(
     tables = None
     if mask_variants:
         tables = mask_tables(
-            anchors=anchors, anchor_keep=keep, doc_ids=packed.doc_ids, block_size=block_size, variants=mask_variants
+            anchors=anchors,
+            anchor_keep=keep,
+            doc_ids=packed.doc_ids,
+            block_size=block_size,
+            variants=mask_variants,
+            tile=mask_tile,
         )
     is_packed = bool((packed.doc_ids > 0).any())  # CPU tensor: no device sync
     batch = TrainBatch(

@@ -91,4 +91,5 @@ def plan_to_host_batch(
         anchor_multiple=anchor_multiple,
         pad_token_id=data.pad_token_id,
         mask_variants=mask_variants,
+        mask_tile=config.drafter.flex_tile,
     )

@@ -535,6 +535,7 @@ class Trainer:
                 backend=self.backend,
                 builder=self.config.drafter.mask_builder,
                 tables=batch.mask_tables,
+                tile=self.config.drafter.flex_tile,
             )
         autocast = (
             torch.autocast(self.device.type, dtype=self.autocast_dtype)
