@@ -16,7 +16,9 @@ pytestmark = [
 
 
 @pytest.mark.parametrize("sliding", [False, True])
-def test_compiled_flex_matches_dense_sdpa_forward_and_backward(sliding):
+@pytest.mark.parametrize("tile", [128, 64])
+def test_compiled_flex_matches_dense_sdpa_forward_and_backward(sliding, tile):
+    """`drafter.flex_tile` 128 and 64 (fp32: flex's default fp32 kernels are 16-64 wide, so no autotuning needed)."""
     config = tiny_drafter_config(
         hidden_size=128,
         num_attention_heads=4,
@@ -42,6 +44,7 @@ def test_compiled_flex_matches_dense_sdpa_forward_and_backward(sliding):
             variants=drafter.mask_variants,
             backend=backend,
             builder=builder,
+            tile=tile,
         )
         out = drafter(
             features=batch.features.to(device),
