@@ -321,6 +321,58 @@ def test_one_target_two_drafters_equals_one_process_with_a_short_last_step(cases
     )
 
 
+def test_target_argmax_labels_travel_as_next_tokens_and_train_like_one_process(cases):
+    """With target-argmax labels a target sends its greedy next tokens ([R, T] int64) in place of its final
+    states, and the drafter's labels, hence its training, are those of one process."""
+    loss = {"label_source": "target_argmax"}
+    metrics = {"log_every": 1, "tensorboard": False, "progress_bar": False, "plot_at_end": False}
+    run_dir, out = cases.disaggregated(
+        "argmax-one-plus-one",
+        cases.odd,
+        targets=1,
+        drafters=1,
+        grad_accum=2,
+        loss=loss,
+        metrics={**metrics, "profile_interval": 0.3},
+    )
+    assert "target0    target_labels" in out, out  # the target rank ran its LM head for them
+    reference = cases.recipe("argmax-reference", cases.odd, grad_accum=2, loss=loss, metrics=metrics)
+    Trainer(load_config(reference), log=lambda _: None).fit()
+    assert_same_weights(final_weights(run_dir), final_weights(cases.root / "argmax-reference"))
+    assert [r["loss"] for r in read_metrics(run_dir)] == pytest.approx(
+        [r["loss"] for r in read_metrics(cases.root / "argmax-reference")], abs=1e-5
+    )
+
+
+def test_a_feature_batch_carries_next_tokens_in_place_of_final_states():
+    """What travels from a target rank with target-argmax labels: features and the [R, T] int64 next tokens, no
+    [R, T, H] final states; unpacked, the drafter gathers the labels one process gathers."""
+    from dflash_trainer.model.loss import block_slot_tokens, greedy_next_tokens, target_argmax_labels
+    from dflash_trainer.target.capture import TargetOutputs
+    from dflash_trainer.train.batch import make_train_batch
+    from dflash_trainer.train.disaggregated import pack_batch, unpack_batch
+    from model_helpers import tiny_drafter_config
+    from test_batch import packed_rows
+
+    config = tiny_drafter_config(block_size=4)
+    batch = make_train_batch(
+        packed_rows(config), block_size=4, mask_token_id=config.mask_token_id, max_anchors=5, seed=0, epoch=0, index=0
+    )
+    rows, length = batch.input_ids.shape
+    gen = torch.Generator().manual_seed(0)
+    final_hidden = torch.randn(rows, length, config.hidden_size, generator=gen)
+    head = torch.randn(config.vocab_size, config.hidden_size, generator=gen)
+    features = torch.randn(rows, length, 2 * config.hidden_size, generator=gen)
+    outputs = TargetOutputs(features=features, final_hidden=None, next_tokens=greedy_next_tokens(final_hidden, head))
+    host, tensors = pack_batch(batch, outputs, num_features=2, split=True)
+    assert "next_tokens" in tensors and "final_hidden" not in tensors
+    assert tensors["next_tokens"].shape == (rows, length) and tensors["next_tokens"].dtype == torch.int64
+    received_batch, received = unpack_batch(host, tensors)
+    assert received.final_hidden is None and torch.equal(received.features, features)
+    labels = block_slot_tokens(received.next_tokens, received_batch.anchors, block_size=4)
+    assert torch.equal(labels, target_argmax_labels(final_hidden, head, batch.anchors, block_size=4))
+
+
 def test_two_targets_one_slow_equal_one_process_and_the_drafter_waits(cases, slow_two_plus_one):
     run_dir, out = slow_two_plus_one
     assert_same_weights(final_weights(run_dir), final_weights(cases.reference(cases.even, grad_accum=2)))

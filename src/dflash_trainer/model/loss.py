@@ -261,6 +261,45 @@ def dflash_loss(
     return LossOutput(loss=loss_sum / safe_weight, loss_sum=loss_sum, metrics=metrics)
 
 
+def greedy_next_tokens(
+    final_hidden: Tensor,  # [R, T, H] the target's final state (after its final norm) at every position
+    lm_head_weight: Tensor,  # [V, H]
+    *,
+    lm_head_bias: Tensor | None = None,  # [V]
+    dtype: torch.dtype | None = None,
+    chunk_positions: int = 2048,
+) -> Tensor:
+    """[R, T] int64: the target's greedy token after every position, argmax(W h_t + b), with the head and the
+    states in `dtype` (default the head's) and `chunk_positions` rows of logits at a time ([chunk, V] at most).
+    Deterministic given its inputs: a disaggregated target rank computes these and the drafter rank gets the
+    same labels as one process would."""
+    if chunk_positions < 1:
+        raise ValueError(f"greedy_next_tokens: chunk_positions must be >= 1, got {chunk_positions}")
+    rows, length, width = final_hidden.shape
+    dtype = lm_head_weight.dtype if dtype is None else dtype
+    with torch.no_grad(), torch.autocast(device_type=final_hidden.device.type, enabled=False):
+        weight = lm_head_weight.to(dtype)
+        bias = None if lm_head_bias is None else lm_head_bias.to(dtype)
+        flat = final_hidden.reshape(rows * length, width).to(dtype)  # [R*T, H]
+        best = torch.cat(
+            [
+                F.linear(flat[start : start + chunk_positions], weight, bias).argmax(dim=-1)
+                for start in range(0, rows * length, chunk_positions)
+            ]
+        )  # [R*T]
+    return best.view(rows, length)
+
+
+def block_slot_tokens(next_tokens: Tensor, anchors: Tensor, *, block_size: int) -> Tensor:
+    """[R, T] next tokens (`greedy_next_tokens`), [R, N] anchors -> [R, N, B]: slot k of the block anchored at a
+    gets next_tokens[a + k - 1], the index clamped into the row as `gather_block_states` clamps it (such slots
+    and slot 0 are never valid)."""
+    rows, length = next_tokens.shape
+    index = anchors.unsqueeze(-1) + torch.arange(block_size, device=anchors.device) - 1  # [R, N, B]: a + k - 1
+    index = torch.clamp(index, min=0, max=length - 1).view(rows, -1)
+    return torch.gather(next_tokens, 1, index).view(rows, -1, block_size)
+
+
 def target_argmax_labels(
     final_hidden: Tensor,  # [R, T, H] the target's final state (after its final norm) at every position
     lm_head_weight: Tensor,  # [V, H]
@@ -273,30 +312,17 @@ def target_argmax_labels(
 ) -> Tensor:
     """[R, N, B] int64: the target's greedy token for every block slot, the labels of `label_source="target_argmax"`.
 
-    Slot k of the block anchored at a gets argmax(W h_{a+k-1} + b), from the state `gather_block_states` takes
-    (index clamped into the row; such slots and slot 0 are never valid). The LM head runs once per *position*
-    (R*T rows, `chunk_positions` at a time, so [chunk, V] logits at most) and the argmaxes are gathered per slot:
-    neighbouring blocks share all but one position, so this is R*T rows of LM head where `dflash_loss` with
-    `target_argmax` runs R*N*B (2.7x fewer at the paper setting: 8,192 positions against 21,840 slots). The
-    products are those `dflash_loss` takes (same vectors and head in `dtype`, default the head's), so passing
-    these labels with `label_source="data"` gives its `target_argmax` loss, metrics and gradient."""
-    if chunk_positions < 1:
-        raise ValueError(f"target_argmax_labels: chunk_positions must be >= 1, got {chunk_positions}")
-    rows, length, width = final_hidden.shape
-    dtype = lm_head_weight.dtype if dtype is None else dtype
-    with torch.no_grad(), torch.autocast(device_type=final_hidden.device.type, enabled=False):
-        weight = lm_head_weight.to(dtype)
-        bias = None if lm_head_bias is None else lm_head_bias.to(dtype)
-        flat = final_hidden.reshape(rows * length, width).to(dtype)  # [R*T, H]
-        best = torch.cat(
-            [
-                F.linear(flat[start : start + chunk_positions], weight, bias).argmax(dim=-1)
-                for start in range(0, rows * length, chunk_positions)
-            ]
-        )  # [R*T]: the target's next token after each position
-    index = anchors.unsqueeze(-1) + torch.arange(block_size, device=anchors.device) - 1  # [R, N, B]: a + k - 1
-    index = torch.clamp(index, min=0, max=length - 1).view(rows, -1)
-    return torch.gather(best.view(rows, length), 1, index).view(rows, -1, block_size)
+    Slot k of the block anchored at a gets argmax(W h_{a+k-1} + b), from the state `gather_block_states` takes.
+    The LM head runs once per *position* (`greedy_next_tokens`) and the argmaxes are gathered per slot
+    (`block_slot_tokens`): neighbouring blocks share all but one position, so this is R*T rows of LM head where
+    `dflash_loss` with `target_argmax` runs R*N*B (2.7x fewer at the paper setting: 8,192 positions against
+    21,840 slots). The products are those `dflash_loss` takes (same vectors and head in `dtype`, default the
+    head's), so passing these labels with `label_source="data"` gives its `target_argmax` loss, metrics and
+    gradient."""
+    next_tokens = greedy_next_tokens(
+        final_hidden, lm_head_weight, lm_head_bias=lm_head_bias, dtype=dtype, chunk_positions=chunk_positions
+    )
+    return block_slot_tokens(next_tokens, anchors, block_size=block_size)
 
 
 def _check_inputs(

@@ -52,6 +52,10 @@ _Writer = Callable[[int, Tensor], None]
 class TargetOutputs:
     features: Tensor  # [R, T, K*H] in layer_ids order, model dtype
     final_hidden: Tensor | None  # [R, T, H] output of the final norm, when requested
+    # [R, T] int64: the target's greedy token after each position (`model/loss.py: greedy_next_tokens`), what
+    # target-argmax labels need, in place of final_hidden (a disaggregated target sends these: 8 bytes a position
+    # instead of 2H, and the LM head runs on the target rank).
+    next_tokens: Tensor | None = None
 
 
 class _StopAfterDeepestLayer(Exception):

@@ -31,6 +31,10 @@ batches of steps that will not run), drafter rank 0 writes the checkpoint, and a
 fails the job (`distributed/failure.py`): a receive thread blocked on it gets the broken connection's error and
 its drafter raises it; the process then exits without waiting for anything posted.
 
+Labels. With `loss.label_source: target_argmax` a target sends its greedy next token per position ([R, T] int64,
+from its own LM head, as one process computes them) instead of its final states ([R, T, H]); the drafter gathers
+each block slot's label from them. Soft labels need the states, which travel then.
+
 Memory. Drafter ranks keep only the target's embedding and LM head: the target is loaded on the CPU (in the
 dtype the target ranks use), those two modules move to the drafter's device, and the decoder layers are
 dropped. Target ranks never build a drafter. Feature batches at once, at most: on a target rank, the one being
@@ -73,6 +77,7 @@ from ..distributed.transport import (
     send_notices,
 )
 from ..distributed.world import World
+from ..model.loss import greedy_next_tokens
 from ..target.capture import FeatureCapture, TargetOutputs, decoder_module, embedding_module, lm_head_module
 from ..target.loader import LoadedTarget, load_target, quantize_target_to_fp8, resolve_dtype
 from .batch import TrainBatch
@@ -98,6 +103,8 @@ def pack_batch(
         tensors["features"] = outputs.features  # [R, T, K*H]
     if outputs.final_hidden is not None:
         tensors["final_hidden"] = outputs.final_hidden  # [R, T, H]
+    if outputs.next_tokens is not None:
+        tensors["next_tokens"] = outputs.next_tokens  # [R, T] int64
     return host, tensors
 
 
@@ -107,7 +114,10 @@ def unpack_batch(host: dict[str, Any], tensors: dict[str, torch.Tensor]) -> tupl
     batch = TrainBatch(**{f.name: tensors.get(f.name, host.get(f.name)) for f in dataclasses.fields(TrainBatch)})
     if batch.segment_boundaries is not None:  # JSON made the tuple a list
         batch = dataclasses.replace(batch, segment_boundaries=tuple(batch.segment_boundaries))
-    return batch, TargetOutputs(features=features, final_hidden=tensors.get("final_hidden"))
+    outputs = TargetOutputs(
+        features=features, final_hidden=tensors.get("final_hidden"), next_tokens=tensors.get("next_tokens")
+    )
+    return batch, outputs
 
 
 def _stats_window(old: dict[str, float] | None, new: dict[str, float]) -> dict[str, float]:
@@ -474,6 +484,9 @@ class TargetWorker:
             batch = host_batch.to(self.world.device)
         with self.profiler.stage("target_forward"):
             outputs = batch.capture_target(capture)
+        if self.config.loss.label_source == "target_argmax":
+            with self.profiler.stage("target_labels"):
+                outputs = self._with_next_tokens(outputs, block_size=start["block_size"])
         host, tensors = pack_batch(
             batch, outputs, num_features=len(start["layer_ids"]), split=self.config.placement.split_features
         )
@@ -501,6 +514,20 @@ class TargetWorker:
             self.profiler.reset()
         with self.profiler.stage("send"):
             self.sender.send(destination, meta=meta, tensors=tensors)
+
+    def _with_next_tokens(self, outputs: TargetOutputs, *, block_size: int) -> TargetOutputs:
+        """The target's greedy next tokens in place of its final states: the drafter gathers its target-argmax
+        labels from them. Computed as one process computes them (`Trainer._forward_backward`: the same head,
+        dtype and chunks), so the labels, and the training, are the same."""
+        assert outputs.final_hidden is not None  # captured: label_source is not "data"
+        head = lm_head_module(self.target.model)
+        next_tokens = greedy_next_tokens(
+            outputs.final_hidden,
+            head.weight,
+            lm_head_bias=getattr(head, "bias", None),
+            chunk_positions=self.config.loss.chunk_blocks * block_size,
+        )
+        return TargetOutputs(features=outputs.features, final_hidden=None, next_tokens=next_tokens)
 
 
 def load_target_for_role(config: RunConfig, *, roles: Roles, world: World) -> LoadedTarget:
