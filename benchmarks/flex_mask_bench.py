@@ -7,9 +7,10 @@ Run from the repository root on the GPU machine (about a minute on one H200, mos
 
 One drafter layer's attention in the SmolLM2-135M training step: hidden 576 -> 9 query heads, 3 KV heads, head dim
 64, bf16; `--rows` rows of T=1024 context tokens packed from documents shaped like the recipe's regenerated data
-(`bench.smollm2_documents`: about 250 tokens, about 117 supervised), every valid response position an anchor (about
-440 kept blocks of 16 per row, 592 with the padding to the fullest row) or `--anchors-per-doc` random ones per document. Both masks share the BlockMask tables
-of `tile_tables` (the production ones); only the mask_mod the kernel evaluates inside partial tiles differs:
+(`bench.smollm2_documents`: about 250 tokens, about 117 supervised), every valid response position an anchor (at the
+defaults about 435 kept blocks of 16 per row, 656 with the padding to the fullest of the 16 rows) or
+`--anchors-per-doc` random ones per document. Both masks share the BlockMask tables of `tile_tables` (the
+production ones); only the mask_mod the kernel evaluates inside partial tiles differs:
 (a) "int64 rule": the element-wise rule as production evaluated it before (document ids compared per key, int64
 captured tensors); (b) "int32 ranges": production's `mask_from_ranges`. Times compiled flex_attention forward and
 forward+backward with CUDA events after warm-up (median of `--repeats`), prints ms and the effective TFLOP/s of the
@@ -17,9 +18,9 @@ visited tiles (4 * tile * tile * 64 per (query tile, key tile, head) forward, 2.
 step estimate, and the largest difference of every row from (a) at the first tile (outputs and gradients; 0 for
 (b) at that tile, bf16 rounding at another tile, whose kernel sums in another order).
 `--tiles 128,64`: each mask in tiles of 128 and of 64 queries x keys (`drafter.flex_tile`; the production tables
-of `tile_tables` for each). The default Hopper backward kernel at head dim 64 is 128 wide and does not fit tiles of
-64 (that row then fails); `--max-autotune` compiles with mode max-autotune-no-cudagraphs, whose kernel choices include
-32- and 64-wide ones (and autotunes the 128 tiles too: compare like with like).
+of `tile_tables` for each). Hopper's default flex kernels at head dim 64 are 128 wide and do not fit tiles of 64
+(that row then fails); `--max-autotune` compiles with mode max-autotune-no-cudagraphs, whose kernel choices include
+64-wide ones (and autotunes the 128 tiles too: compare like with like). No flex forward kernel fits tiles of 32.
 Without CUDA it builds the layout and the tables on the CPU, prints their summary and exits with an error.
 """
 

@@ -12,7 +12,7 @@
 #   (MAIN_OVERRIDES="k=v ..." changes the GPU 0 job too, e.g. to try a recipe change there while GPU 1 sweeps)
 #   (or SWEEP=1: benchmarks/quality_sweep.sh on GPU 1, one run at a time, on the main job's data; with
 #   BENCH_FIRST=smollm2 (or paper,smollm2) GPU 1 first runs benchmarks/flex_mask_bench.py (old against lean mask,
-#   static and dynamic shapes, tiles of 128, 64 and 32 autotuned) and benchmarks/train_bench.sh with the kernel
+#   static and dynamic shapes, tiles of 128 and 64 autotuned) and benchmarks/train_bench.sh with the kernel
 #   profile and the ablations of the unmeasured changes (BENCH_ABLATIONS=new; 0: none, 1: all)
 #   while GPU 0 regenerates: the sweep waits for the main job's shards anyway)
 #   bash benchmarks/gpu_session.sh wait S                    report every minute for up to S seconds
@@ -74,10 +74,10 @@ case "$STAGE" in
       # The experiment sweep, one run at a time on GPU 1, on the main job's data once it is written.
       bench=""
       if [ -n "${BENCH_FIRST:-}" ]; then
-        bench="for flag in '' --dynamic '--tiles 128,64,32 --max-autotune'; do CUDA_VISIBLE_DEVICES=1 timeout 300 \
+        bench="for flag in '' --dynamic '--tiles 128,64 --max-autotune'; do CUDA_VISIBLE_DEVICES=1 timeout 300 \
           python3 benchmarks/flex_mask_bench.py \$flag; done > $RES/flex_mask_bench.log 2>&1; \
         CUDA_VISIBLE_DEVICES=1 OUT=$RES/train_bench KERNELS=25 ABLATIONS=${BENCH_ABLATIONS:-new} STEPS=6 WARMUP=3 \
-          RUN_TIMEOUT=600 SETTINGS=$BENCH_FIRST timeout 900 bash benchmarks/train_bench.sh > $RES/train_bench.log 2>&1;"
+          RUN_TIMEOUT=600 SETTINGS=$BENCH_FIRST timeout 1300 bash benchmarks/train_bench.sh > $RES/train_bench.log 2>&1;"
       fi
       bg sweep "cd $REPO && export OMP_NUM_THREADS=8 PYTHONPATH=$REPO/src:$SITE SWEEP_GPU=1 GPUS=$GPUS RES=$RES && \
         $bench bash benchmarks/quality_sweep.sh"

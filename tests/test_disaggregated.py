@@ -347,7 +347,8 @@ def test_target_argmax_labels_travel_as_next_tokens_and_train_like_one_process(c
 def test_a_feature_batch_carries_next_tokens_in_place_of_final_states():
     """What travels from a target rank with target-argmax labels: features and the [R, T] int64 next tokens, no
     [R, T, H] final states; unpacked, the drafter gathers the labels one process gathers."""
-    from dflash_trainer.model.loss import block_slot_tokens, greedy_next_tokens, target_argmax_labels
+    from dflash_trainer.model.anchors import gather_block_states
+    from dflash_trainer.model.loss import block_slot_tokens, greedy_next_tokens
     from dflash_trainer.target.capture import TargetOutputs
     from dflash_trainer.train.batch import make_train_batch
     from dflash_trainer.train.disaggregated import pack_batch, unpack_batch
@@ -370,7 +371,9 @@ def test_a_feature_batch_carries_next_tokens_in_place_of_final_states():
     received_batch, received = unpack_batch(host, tensors)
     assert received.final_hidden is None and torch.equal(received.features, features)
     labels = block_slot_tokens(received.next_tokens, received_batch.anchors, block_size=4)
-    assert torch.equal(labels, target_argmax_labels(final_hidden, head, batch.anchors, block_size=4))
+    # The per-slot definition: the target's argmax over the state each slot reads (as dflash_loss computes it).
+    states = gather_block_states(states=final_hidden, anchors=batch.anchors, block_size=4)  # [R, N, B, H]
+    assert torch.equal(labels, (states @ head.T).argmax(dim=-1))
 
 
 def test_two_targets_one_slow_equal_one_process_and_the_drafter_waits(cases, slow_two_plus_one):

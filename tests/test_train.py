@@ -139,12 +139,17 @@ def test_the_data_stage_builds_flex_tables_of_the_configured_tile(tmp_path):
     target = save_tiny_target(tmp_path / "target")
     shards = write_counting_shards(tmp_path / "shards", num_samples=48)
     recipe = write_recipe(tmp_path / "r.yaml", tmp_path / "run", target, shards, train={"max_steps": 2})
-    with pytest.raises(ConfigError, match=r"drafter\.flex_tile"):
+    with pytest.raises(ConfigError, match=r"drafter\.flex_tile: must be 64 or 128"):
         load_config(recipe, ["drafter.flex_tile=48"])
-    trainer = Trainer(load_config(recipe, ["drafter.attention_backend=flex", "drafter.flex_tile=32"]), log=print)
+    with pytest.raises(ConfigError, match="max-autotune-no-cudagraphs"):
+        load_config(recipe, ["drafter.flex_tile=64"])
+    with pytest.raises(ConfigError, match=r"drafter\.block_size: must be <= drafter\.flex_tile"):
+        load_config(recipe, ["drafter.block_size=130"])
+    tile64 = ["drafter.flex_tile=64", "drafter.compile_mode=max-autotune-no-cudagraphs"]
+    trainer = Trainer(load_config(recipe, ["drafter.attention_backend=flex", *tile64]), log=print)
     plan = next(iter(trainer.sampler))
     batch = trainer.make_batch(plan)
-    assert {tables.tile for tables in batch.mask_tables.values()} == {32}
+    assert {tables.tile for tables in batch.mask_tables.values()} == {64}
     masks = build_masks(
         anchors=batch.anchors,
         anchor_keep=batch.anchor_keep,
@@ -154,4 +159,4 @@ def test_the_data_stage_builds_flex_tables_of_the_configured_tile(tmp_path):
         backend="flex",
         tables=batch.mask_tables,
     )
-    assert {mask.BLOCK_SIZE for mask in masks.by_variant.values()} == {(32, 32)}
+    assert {mask.BLOCK_SIZE for mask in masks.by_variant.values()} == {(64, 64)}

@@ -38,6 +38,9 @@ class TargetConfig:
     # The decoder's linear layers in FP8 for feature capture in training (bf16 target, GPU with FP8 tensor cores);
     # evaluation and regeneration load the target unquantised.
     fp8: bool = False
+    # torch.compile the decoder layers for feature capture in training on CUDA (target/capture.py): an eager small
+    # target is host-bound. Evaluation and regeneration run the layers as loaded. Off until measured.
+    compile: bool = False
 
 
 @dataclass
@@ -74,10 +77,10 @@ class DrafterConfig:
     # flex BlockMasks from tile tables computed from the anchors in the data stage ("anchors"), or by
     # evaluating the mask on the whole grid with create_block_mask ("mask_mod", the reference).
     mask_builder: Literal["anchors", "mask_mod"] = "anchors"
-    # flex tile (queries x keys) of the drafter's BlockMasks. Smaller tiles visit fewer elements (on the SmolLM2
-    # recipe's data about 0.7x the 128-tile's at 64, 0.6x at 32) but run smaller kernels; below 128 the default
-    # Hopper backward kernel (128 wide at head dim 64-128) does not fit the tiles: use them with
-    # drafter.compile_mode=max-autotune-no-cudagraphs, whose kernel choices include 32- and 64-wide ones.
+    # flex tile (queries x keys) of the drafter's BlockMasks: 128, or 64, which visits about 0.7x the elements on
+    # the SmolLM2 recipe's data but runs smaller kernels. Hopper's default flex kernels at head dim 64 are 128 wide
+    # (forward and backward), so 64 needs the compiled layers with compile_mode max-autotune-no-cudagraphs, whose
+    # kernel choices include 64-wide ones.
     flex_tile: int = 128  # flex.TILE
 
     def validate(self) -> None:
@@ -88,10 +91,19 @@ class DrafterConfig:
             _require(bool(self.target_layer_ids), "drafter.target_layer_ids", "must name at least one layer")
             _require(min(self.target_layer_ids) >= 0, "drafter.target_layer_ids", "layer ids must be >= 0")
         _require(self.mask_token_id is None or self.mask_token_id >= 0, "drafter.mask_token_id", "must be >= 0")
+        _require(self.flex_tile in (64, 128), "drafter.flex_tile", f"must be 64 or 128, got {self.flex_tile}")
         _require(
-            self.flex_tile in (16, 32, 64, 128),
+            self.flex_tile == 128 or (self.compile and self.compile_mode == "max-autotune-no-cudagraphs"),
             "drafter.flex_tile",
-            f"must be 16, 32, 64 or 128 (flex_attention's tile sizes), got {self.flex_tile}",
+            "64 needs flex kernels 64 wide, which only autotuning offers: set drafter.compile=true and "
+            "drafter.compile_mode=max-autotune-no-cudagraphs",
+        )
+        # A block must fit in a query tile: the tile tables count each block in the tiles of its first and last
+        # query only (model/attention.py: tile_tables).
+        _require(
+            self.block_size <= self.flex_tile,
+            "drafter.block_size",
+            f"must be <= drafter.flex_tile ({self.flex_tile})",
         )
         _require(
             self.init_layers_from_target is None or len(self.init_layers_from_target) == self.num_layers,

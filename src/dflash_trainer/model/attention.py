@@ -20,11 +20,12 @@ few int32 compares per element:
 That is the rule above exactly: kv < hi = a <= T - 1 keeps the context part to context keys, and the own-block part
 only ever names block keys. flex passes `q_idx`/`kv_idx` as int32 scalars and `dense_mask` builds int32 grids; the
 ranges are int32 and everything else is a Python int, so no element op runs in int64 (the partial tiles evaluate
-the mask on all 128x128 elements on CUDA cores, so that work is on the hot path). `tests/test_attention.py` keeps
+the mask on all of their elements on CUDA cores, so that work is on the hot path). `tests/test_attention.py` keeps
 the element-wise rule (document ids compared per key) as the oracle the ranges must equal.
 
 GPU: flex_attention with a BlockMask built once per batch per layer variant. Default builder ("anchors"): the
-tile tables (which 128x128 query/key tiles are empty, full, or partial) come from the same context ranges
+tile tables (which query/key tiles, 128 x 128 or `drafter.flex_tile`, are empty, full, or partial) come from the
+same context ranges
 (`tile_tables`), with no pass over the Q x KV grid: a block's context is one contiguous key range, its own block
 is one contiguous key range, and nothing else is visible. The tables and the ranges are small integer tensors
 ([R, Qt, KVt], [R, N]), computed on the CPU in the data stage (or on any device) and travel together
@@ -191,7 +192,8 @@ def tile_tables(
     `tile` queries x `tile` keys.
 
     Block n sees context [lo, hi) (`context_ranges`: [max(doc start, a - W), a) when kept, empty when dropped), and
-    its own block's keys. A (query tile, key tile) pair is touched when some block of the query tile sees some key of
+    its own block's keys. A block must fit in a tile (B <= tile): it is counted in the query tiles of its first and
+    last query only. A (query tile, key tile) pair is touched when some block of the query tile sees some key of
     the tile, and full when every query of the (complete) tile sees every key of the (complete, context-only)
     tile; own-block tiles are always partial (they also hold other blocks' keys, or a causal in-block mask).
     Cost: O(R * (N + Qt * KVt)) integer work, no pass over queries x keys."""
