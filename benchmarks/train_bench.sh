@@ -19,9 +19,11 @@ nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$OUT/gpu.t
 SMOLLM2_ABLATIONS=()
 PAPER_ABLATIONS=()
 # Changes since the last measurement (2026-12-01), each against the baseline phase: sorted-by-anchors batches
-# (unbalanced = before), Inductor's autotuned kernels, flex tiles of 64 (which need the autotuned kernels).
+# (unbalanced = before), the target's layers compiled, Inductor's autotuned kernels, flex tiles of 64 (which need
+# the autotuned kernels).
 NEW_ABLATIONS=(
   --ablation "unbalanced:data.balance_anchors=false"
+  --ablation "target_compiled:target.compile=true"
   --ablation "autotune:drafter.compile_mode=max-autotune-no-cudagraphs"
   --ablation "tile64:drafter.flex_tile=64,drafter.compile_mode=max-autotune-no-cudagraphs"
 )
@@ -70,12 +72,12 @@ for setting in ("paper", "smollm2"):
         continue
     for r in json.loads(path.read_text()):
         rows.append((setting, r))
-print(f"\n{'setting':<8} {'phase':<34} {'ms/step':>8} {'tok/s':>9} {'MFU':>6} {'GiB':>6} {'1st s':>6} {'recomp':>6}  top stages (ms)")
+print(f"\n{'setting':<8} {'phase':<34} {'ms/step':>8} {'tok/s':>9} {'MFU':>6} {'GiB':>6} {'1st s':>6} {'recomp':>6} {'retry':>5}  top stages (ms)")
 for setting, r in rows:
     mfu = f"{100 * r['mfu']:.1f}%" if r["mfu"] is not None else "n/a"
     top = sorted(r["stages_ms"].items(), key=lambda kv: -kv[1])[:5]
     stages = ", ".join(f"{k} {v:.0f}" for k, v in top)
     print(f"{setting:<8} {r['name']:<34} {r['step_ms_median']:8.1f} {r['tokens_per_s']:9.0f} {mfu:>6} "
-          f"{r['peak_mem_gib']:6.1f} {r['first_step_s']:6.1f} {r['recompiles_after_warmup']:>6}  {stages}")
+          f"{r['peak_mem_gib']:6.1f} {r['first_step_s']:6.1f} {r['recompiles_after_warmup']:>6} {r.get('alloc_retries', 0):>5}  {stages}")
 (out / "summary.json").write_text(json.dumps([{"setting": s, **r} for s, r in rows], indent=2))
 PY

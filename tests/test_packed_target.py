@@ -331,3 +331,32 @@ def test_document_attention_only_runs_inside_a_packed_forward(tiny_qwen3):
     packed = PackedAttention(DocumentLayout.from_doc_ids(torch.zeros(1, 5, dtype=torch.long)), "dense", [None] * 6)
     with pytest.raises(NotImplementedError, match="s_aux"):
         document_attention(attention, q, k, v, None, packed_attention=packed, s_aux=torch.zeros(4))
+
+
+def test_compiled_layers_capture_what_eager_layers_capture_without_recompiling(tiny_sliding_qwen3, monkeypatch):
+    """`compile_layers=True` (here dynamo with the aot_eager backend: the same tracing and guards as on a GPU,
+    without Inductor; packed rows on the CPU's dense backend): the same features and final states as the eager
+    layers, for plain and packed rows of two shapes; the six layers (two window kinds) share compiled code, no
+    graph break, no recompile per shape; the model is left as loaded."""
+    from torch._dynamo.utils import counters
+
+    from dflash_trainer.target import capture as capture_module
+
+    torch._dynamo.reset()
+    counters.clear()
+    monkeypatch.setattr(
+        capture_module, "compile_layer_forward", lambda fn: torch.compile(fn, dynamic=True, backend="aot_eager")
+    )
+    eager = FeatureCapture(tiny_sliding_qwen3, [1, 4], True, packed_attention="dense")
+    compiled_capture = FeatureCapture(tiny_sliding_qwen3, [1, 4], True, packed_attention="dense", compile_layers=True)
+    batches = [packed_batch(LENGTHS, WIDTH), packed_batch([[7, 9], [16], [4, 4, 4, 4]], 16, seed=1)]
+    for input_ids, doc_ids, _ in batches:
+        for rows in (doc_ids, None):  # packed rows, and rows of one document each
+            want = eager.capture(input_ids, None, rows)
+            got = compiled_capture.capture(input_ids, None, rows)
+            torch.testing.assert_close(got.features, want.features, rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(got.final_hidden, want.final_hidden, rtol=1e-5, atol=1e-5)
+    assert not counters["graph_break"], dict(counters["graph_break"])
+    # One graph per layer kind (full, sliding) and row kind (packed, plain), whatever the shapes and layer count.
+    assert counters["stats"]["unique_graphs"] <= 4, dict(counters["stats"])
+    assert all("forward" not in vars(layer) for layer in tiny_sliding_qwen3.model.layers)

@@ -26,7 +26,7 @@ Backends (`resolve_backend`):
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from functools import cache
 from typing import Any, Literal, cast
@@ -60,32 +60,50 @@ def layer_windows(config: PretrainedConfig) -> list[int | None]:
 
 
 class PackedAttention:
-    """One packed forward's attention: the layout, the backend, and the masks built for it (one per window)."""
+    """One packed forward's attention: the layout, the backend, and what the backend reads, built once before the
+    forward (`cu_seqlens` and the longest segment for varlen, one mask per window of the model for flex and
+    dense). The layers then only read prepared values: nothing is built or cached inside them, which also keeps
+    compiled layers (`FeatureCapture(compile_layers=True)`) free of host work and of guards on the layout."""
 
     def __init__(self, layout: DocumentLayout, backend: Backend, windows: list[int | None]) -> None:
         self.layout = layout
         self.backend = backend
         self.windows = windows
-        self._masks: dict[int | None, Any] = {}
+        self.masks: dict[int | None, Any] = {}
+        self.cu_seqlens: Tensor | None = None
+        self.max_seqlen = 0
+        self.varlen_gqa_keyword = False
+        if backend == "varlen":
+            self.cu_seqlens, self.max_seqlen = layout.cu_seqlens(), layout.max_seqlen()
+            # torch >= 2.12 asks for GQA explicitly; 2.10/2.11 pass the KV heads straight to the kernel.
+            self.varlen_gqa_keyword = "enable_gqa" in (_varlen_parameters() or ())
+        else:
+            build = document_block_mask if backend == "flex" else dense_document_mask
+            self.masks = {window: build(layout.segment_ids, window) for window in dict.fromkeys(windows)}
 
     def attend(self, query: Tensor, key: Tensor, value: Tensor, *, scale: float | None, window: int | None) -> Tensor:
         """q `[R, Hq, T, D]`, k/v `[R, Hkv, T, D]` -> `[R, T, Hq, D]` (the layout transformers' modules expect)."""
         if self.backend == "varlen":
-            return varlen_documents(query, key, value, self.layout, scale=scale, window=window)
+            assert self.cu_seqlens is not None
+            return varlen_documents(
+                query,
+                key,
+                value,
+                self.cu_seqlens,
+                self.max_seqlen,
+                scale=scale,
+                window=window,
+                gqa_keyword=self.varlen_gqa_keyword,
+            )
         enable_gqa = query.shape[1] != key.shape[1]
         if self.backend == "flex":
-            block_mask = self._mask(window, lambda: document_block_mask(self.layout.segment_ids, window))
-            flex = compiled_flex_attention() if query.device.type == "cuda" else flex_attention
-            out = flex(query, key, value, block_mask=block_mask, scale=scale, enable_gqa=enable_gqa)
+            compile_here = query.device.type == "cuda" and not torch.compiler.is_compiling()
+            flex = compiled_flex_attention() if compile_here else flex_attention
+            out = flex(query, key, value, block_mask=self.masks[window], scale=scale, enable_gqa=enable_gqa)
         else:
-            mask = self._mask(window, lambda: dense_document_mask(self.layout.segment_ids, window))
+            mask = self.masks[window]
             out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scale, enable_gqa=enable_gqa)
         return out.transpose(1, 2)  # [R, T, Hq, D]
-
-    def _mask(self, window: int | None, build: Callable[[], Any]) -> Any:
-        if window not in self._masks:
-            self._masks[window] = build()
-        return self._masks[window]
 
 
 def document_attention(
@@ -114,7 +132,9 @@ def document_attention(
         raise NotImplementedError(
             f"{type(module).__name__} uses {unsupported or ['dropout']}, which document attention does not apply"
         )
-    layer_idx = getattr(module, "layer_idx", None)
+    # Compiled layers skip this check: reading the layer index would specialise the compiled code per layer. Every
+    # model the tests run eagerly passes it.
+    layer_idx = None if torch.compiler.is_compiling() else getattr(module, "layer_idx", None)
     if layer_idx is not None and sliding_window != packed_attention.windows[layer_idx]:
         raise NotImplementedError(
             f"layer {layer_idx} ({type(module).__name__}): the config declares sliding window "
@@ -188,9 +208,18 @@ def varlen_supported(dtype: torch.dtype, head_dim: int) -> bool:
 
 
 def varlen_documents(
-    query: Tensor, key: Tensor, value: Tensor, layout: DocumentLayout, *, scale: float | None, window: int | None
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    cu_seqlens: Tensor,  # [S+1] int32: segment boundaries in the flattened [R*T] tokens
+    max_seqlen: int,
+    *,
+    scale: float | None,
+    window: int | None,
+    gqa_keyword: bool = False,
 ) -> Tensor:
-    """Flash attention over the flattened rows, one sequence per segment -> `[R, T, Hq, D]`."""
+    """Flash attention over the flattened rows, one sequence per segment -> `[R, T, Hq, D]`. `gqa_keyword`: this
+    torch's `varlen_attn` takes `enable_gqa` (>= 2.12; 2.10/2.11 share the KV heads without it)."""
     from torch.nn.attention.varlen import varlen_attn
 
     rows, heads, length, head_dim = query.shape
@@ -198,13 +227,10 @@ def varlen_documents(
     q = query.transpose(1, 2).reshape(rows * length, heads, head_dim)  # [R*T, Hq, D]
     k = key.transpose(1, 2).reshape(rows * length, kv_heads, head_dim)  # [R*T, Hkv, D]
     v = value.transpose(1, 2).reshape(rows * length, kv_heads, head_dim)
-    cu_seqlens = layout.cu_seqlens()
-    max_seqlen = layout.max_seqlen()
     # (left, right) window: (-1, 0) is causal; (W - 1, 0) keeps the last W keys, the query's own included.
     window_size = (-1, 0) if window is None else (window - 1, 0)
     extra: dict[str, Any] = {}
-    # torch >= 2.12 asks for GQA explicitly; 2.10/2.11 pass the KV heads straight to the kernel, which shares them.
-    if kv_heads != heads and "enable_gqa" in cast(frozenset, _varlen_parameters()):
+    if kv_heads != heads and gqa_keyword:
         extra["enable_gqa"] = True
     out = varlen_attn(
         q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, scale=scale, window_size=window_size, **extra

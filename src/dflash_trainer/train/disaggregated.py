@@ -411,7 +411,10 @@ class TargetWorker:
         # Refuses (naming the setting) when this rank's data or batch settings differ from the drafters'.
         self.data.sampler.load_state_dict(start["sampler"])
         capture = FeatureCapture(
-            self.target.model, start["layer_ids"], need_final_hidden=self.config.loss.label_source != "data"
+            self.target.model,
+            start["layer_ids"],
+            need_final_hidden=self.config.loss.label_source != "data",
+            compile_layers=self.config.target.compile and self.world.device.type == "cuda",
         )
         notices = NoticeBoard(
             list(self.roles.drafter_ranks), self.roles.header_group, timeout_s=self.config.placement.timeout_s

@@ -220,6 +220,7 @@ class Trainer:
             self.target.model,
             self.model_config.target_layer_ids,
             need_final_hidden=self.config.loss.label_source != "data",
+            compile_layers=self.config.target.compile and self.device.type == "cuda",
         )
         self.embed = embedding_module(self.target.model)
         self.lm_head = lm_head_module(self.target.model)
