@@ -100,6 +100,32 @@ def test_gpu_backends_give_the_dense_sdpa_features(backend, size, sliding):
         start += n
 
 
+@pytest.mark.parametrize("backend", ["varlen", "flex"])
+def test_gpu_compiled_target_layers_give_the_eager_features_without_recompiling(backend):
+    """`target.compile`: the layers compiled by Inductor give the eager layers' features (bf16 rounding apart), for
+    packed rows of two shapes and plain rows, and a new shape compiles nothing more."""
+    from torch._dynamo.utils import counters
+
+    if backend == "varlen" and not varlen_supported(torch.bfloat16, SIZES["mid"][3]):
+        pytest.skip(f"torch {torch.__version__} has no usable torch.nn.attention.varlen")
+    torch._dynamo.reset()
+    counters.clear()
+    model = random_qwen3("mid", sliding=True)
+    eager = FeatureCapture(model, [0, 1, 3], need_final_hidden=True, packed_attention=backend)
+    compiled = FeatureCapture(model, [0, 1, 3], need_final_hidden=True, packed_attention=backend, compile_layers=True)
+    shapes = [(LENGTHS, WIDTH), ([[200, 311], [640], [5, 80, 300, 9]], 640)]
+    graphs = []
+    for lengths, width in shapes:
+        input_ids, doc_ids = packed_rows(lengths, width)
+        for rows in (doc_ids, None):
+            want, got = eager.capture(input_ids, None, rows), compiled.capture(input_ids, None, rows)
+            assert relative_error(got.features, want.features) < 1e-2
+            assert relative_error(got.final_hidden, want.final_hidden) < 1e-2
+        graphs.append(counters["stats"]["unique_graphs"])
+    assert not counters["graph_break"], dict(counters["graph_break"])
+    assert graphs[1] == graphs[0], graphs  # the second shape reused the compiled code
+
+
 def test_gpu_hybrid_packed_rows_equal_each_document_alone():
     config = Qwen3_5TextConfig(
         vocab_size=VOCAB,
