@@ -64,6 +64,9 @@ VARIANTS=(
   "anchors-64-dpace|data.train_shards=$SHARDS data.max_anchors=64 loss.weighting=dpace"
   "anchors-32|data.train_shards=$SHARDS data.max_anchors=32"
   "anchors-64-equal-time|data.train_shards=$SHARDS data.max_anchors=64 train.max_steps=$((2 * STEPS))"
+  # Batches balanced by anchor count (on since 2026-12-01) make a slot of a small batch weigh a little more in the
+  # per-step mean loss; the base row against this one says whether tau notices.
+  "unbalanced|data.train_shards=$SHARDS data.balance_anchors=false"
 )
 if [ -n "${ROWS:-}" ]; then  # keep the named rows, in the order named
   chosen=()

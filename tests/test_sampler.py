@@ -472,3 +472,58 @@ def test_anchor_counts_pair_only_within_a_sample_and_skip_empty_ones() -> None:
     )
     assert dataset.anchor_counts(512).tolist() == [2, 0, 1, 2, 0]
     assert dataset.anchor_counts(1).tolist() == [1, 0, 1, 1, 0]
+
+
+def test_batches_of_one_step_are_neighbours_of_the_sorted_order() -> None:
+    """`step_batches` G > 1: rows are sorted in windows of 8 G batches and the global list is shuffled in groups of
+    G neighbouring batches (each group the batches of one optimizer step), so one step's batches are of similar
+    size; G = 1 is the plain plan; every sample once per epoch either way."""
+    lengths = random_lengths(n=3000)
+    counts = np.random.default_rng(5).integers(0, 60, lengths.size)
+    settings = dict(
+        epoch=2, seed=1, token_budget=BUDGET, max_seq_len=MAX_SEQ_LEN, max_batch_size=MAX_ROWS, packing=True
+    )
+    plain = plan_epoch(lengths, anchor_counts=counts, **settings)
+    assert plan_epoch(lengths, anchor_counts=counts, step_batches=1, **settings) == plain
+
+    def anchor_slots(batch) -> int:  # what the drafter computes: rows x the fullest row's anchors
+        return len(batch) * max(int(counts[row].sum()) for row in batch)
+
+    for group in (2, 4):
+        grouped = plan_epoch(lengths, anchor_counts=counts, step_batches=group, **settings)
+        assert sorted(i for batch in grouped for row in batch for i in row) == list(range(lengths.size))
+        steps = [grouped[i : i + group] for i in range(0, len(grouped) - group + 1, group)]
+        plain_steps = [plain[i : i + group] for i in range(0, len(plain) - group + 1, group)]
+
+        def waste(step_list, size) -> float:  # slots the ranks of a step wait for, beyond their own
+            return sum(size * max(map(anchor_slots, s)) - sum(map(anchor_slots, s)) for s in step_list)
+
+        grouped_waste, plain_waste = waste(steps, group), waste(plain_steps, group)
+        assert grouped_waste < 0.5 * plain_waste, (group, grouped_waste, plain_waste)
+    for world_size in (1, 2):
+        samplers = [
+            make_sampler(lengths, packing=True, anchor_counts=counts, rank=r, world_size=world_size, step_batches=4)
+            for r in range(world_size)
+        ]
+        seen = sorted(i for s in samplers for i in flat_samples(list(s)))
+        assert seen == list(range(lengths.size))
+
+
+def test_resume_across_step_groupings_is_refused_and_names_why() -> None:
+    lengths = random_lengths()
+    counts = np.ones(lengths.size, dtype=np.int64)
+    one = make_sampler(lengths, packing=True, anchor_counts=counts)
+    assert "step_batches" not in one.state_dict()  # states of one-batch steps read as before
+    four = make_sampler(lengths, packing=True, anchor_counts=counts, step_batches=4).state_dict()
+    with pytest.raises(ValueError, match="shuffled one by one"):
+        make_sampler(lengths, packing=True, anchor_counts=counts, step_batches=4).load_state_dict(one.state_dict())
+    with pytest.raises(ValueError, match="step_batches"):
+        one.load_state_dict(four)
+    # Without packing the anchor counts do not decide the order and are not recorded.
+    unpacked = make_sampler(lengths, packing=False, anchor_counts=counts).state_dict()
+    assert unpacked["num_anchors"] is None
+    make_sampler(lengths, packing=False).load_state_dict(unpacked)
+    with pytest.raises(ValueError, match=r"data\.max_anchors"):
+        make_sampler(lengths, packing=True, anchor_counts=2 * counts).load_state_dict(
+            make_sampler(lengths, packing=True, anchor_counts=counts).state_dict()
+        )

@@ -8,15 +8,23 @@ every rank):
    order, into up to `PACKING_OPEN_ROWS` open rows of at most `max_seq_len` tokens; a sample that fits none
    opens a new row, closing the fullest open row when all are in use. Bounding the open rows keeps this
    linear in the number of samples.
-3. Batches. Rows are taken in windows of about `SORT_WINDOW_BATCHES` batches' worth (rows or tokens), sorted
+3. Batches. Rows are taken in windows of about `SORT_WINDOW_BATCHES` steps' batches' worth (rows or tokens), sorted
    by length (longest first) within each window, and cut greedily into batches with at most `max_batch_size`
    rows and `rows * longest_row <= token_budget`. Sorting within a window groups rows of similar length, which
    cuts padding, while the shuffle still decides which samples meet. With packing and `anchor_counts` (the
    anchors the batch stage will draw from each sample), packed rows are sorted by their anchor count instead
    (most first; length breaks ties): the drafter pads every row of a batch to its fullest row's anchor count,
    and packed rows are nearly all close to `max_seq_len` anyway. On the SmolLM2 recipe's data shape that cuts
-   the padded anchor slots from about 32 % of a batch to under 10 % for the same batches of samples.
-4. The batch order is shuffled with the same generator, so long and short batches alternate over the epoch.
+   the padded anchor slots from about 32 % of a batch to under 10 % (the same samples per epoch, in other
+   batches). It also makes batches differ more in size from step to step, and the loss is a mean per step, so a
+   slot of a small batch weighs a little more than one of a large batch (on that data shape, slots of short
+   replies about 1.10 and of 256-token replies about 0.94, against 1.01 and 1.00 unsorted).
+4. The batch order is shuffled with the same generator, so long and short batches alternate over the epoch. With
+   `step_batches` > 1 (the global batches of one optimizer step: ranks x micro-batches) neighbouring batches of
+   the sorted order are shuffled as groups of that many, so the batches of one step, which different ranks train
+   at once, are of similar size and no rank waits for a much larger one (a last short group stays last). On the
+   recipe's data shape with 8 ranks, the slowest rank of a step then holds about 8.5K anchor slots instead of
+   11.3K with the batches shuffled one by one (a single rank: 8.4K).
 5. The global batch list is dealt round-robin, batch i to rank i % world_size. When its length is not a
    multiple of world_size, `drop_last=True` drops the last (length % world_size) batches (their samples sit
    this epoch out; a different set every epoch); `drop_last=False` completes the last round with the epoch's
@@ -90,6 +98,7 @@ class TokenBudgetSampler:
         world_size: int = 1,
         drop_last: bool = False,
         anchor_counts: Sequence[int] | np.ndarray | None = None,
+        step_batches: int = 1,
     ):
         lengths = np.asarray(lengths, dtype=np.int64)
         if lengths.ndim != 1 or lengths.size == 0:
@@ -100,6 +109,8 @@ class TokenBudgetSampler:
             raise ValueError(f"token_budget ({token_budget}) must be >= max_seq_len ({max_seq_len}) so every row fits")
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
+        if step_batches < 1:
+            raise ValueError(f"step_batches must be >= 1, got {step_batches}")
         if world_size < 1 or not 0 <= rank < world_size:
             raise ValueError(f"need 0 <= rank < world_size, got rank={rank}, world_size={world_size}")
         bad = np.flatnonzero((lengths < 1) | (lengths > max_seq_len))
@@ -125,6 +136,7 @@ class TokenBudgetSampler:
         self.rank = rank
         self.world_size = world_size
         self.drop_last = drop_last
+        self.step_batches = step_batches
         self.epoch = 0
         self._consumed = 0
         # Planning an epoch walks every sample in Python: done once per epoch, shared by __len__ and __iter__.
@@ -169,11 +181,20 @@ class TokenBudgetSampler:
             for key, value in self._settings().items()
             if state.get(key) != value
         ]
+        if "step_batches" in state and self.step_batches == 1:  # recorded only when > 1
+            differing.append(f"step_batches: saved {state['step_batches']!r}, now 1")
         if differing:
             hint = ""
-            if state.get("num_anchors") is None and self.anchor_counts is not None:
+            if state.get("num_anchors") is None and self.packing and self.anchor_counts is not None:
                 hint = (
                     " (a checkpoint whose batches were not balanced by anchors: resume with data.balance_anchors=false)"
+                )
+            elif state.get("num_anchors") != self._settings()["num_anchors"]:
+                hint = " (the anchor counts per sample differ: other data, or another data.max_anchors)"
+            elif state.get("step_batches", 1) != self.step_batches:
+                hint = (
+                    " (a checkpoint whose batches were shuffled one by one, not per optimizer step; it resumes with "
+                    "one rank and grad_accum 1)"
                 )
             raise ValueError(
                 "sampler state comes from other data or settings, so the batch order would not continue: "
@@ -200,8 +221,10 @@ class TokenBudgetSampler:
             "max_batch_size": self.max_batch_size,
             "packing": self.packing,
             "drop_last": self.drop_last,
-            # Rows sorted by anchors: the counts decide the order (their total stands for them).
-            "num_anchors": None if self.anchor_counts is None else int(self.anchor_counts.sum()),
+            # Packed rows sorted by anchors: the counts decide the order (their total stands for them).
+            "num_anchors": int(self.anchor_counts.sum()) if self.packing and self.anchor_counts is not None else None,
+            # Batches shuffled in groups of a step's (recorded when > 1, so states of one-batch steps stay valid).
+            **({"step_batches": self.step_batches} if self.step_batches > 1 else {}),
         }
 
     def _rank_batches(self, epoch: int) -> list[list[list[int]]]:
@@ -221,6 +244,7 @@ class TokenBudgetSampler:
             max_batch_size=self.max_batch_size,
             packing=self.packing,
             anchor_counts=self.anchor_counts,
+            step_batches=self.step_batches,
         )
         return _deal(batches, rank=self.rank, world_size=self.world_size, drop_last=self.drop_last)
 
@@ -235,6 +259,7 @@ def plan_epoch(
     max_batch_size: int,
     packing: bool,
     anchor_counts: np.ndarray | None = None,
+    step_batches: int = 1,
 ) -> list[list[list[int]]]:
     """The epoch's global batch list (before dealing to ranks): batches of rows of sample indices."""
     rng = np.random.default_rng([seed, epoch])
@@ -247,8 +272,21 @@ def plan_epoch(
     if packing and anchor_counts is not None:
         anchors_of = anchor_counts.tolist()
         row_keys = [(sum(anchors_of[i] for i in row), length) for row, length in zip(rows, row_lengths, strict=True)]
-    batches = _cut_batches(rows, row_lengths, row_keys, token_budget=token_budget, max_batch_size=max_batch_size)
-    return [batches[i] for i in rng.permutation(len(batches))]
+    # A sort window of SORT_WINDOW_BATCHES steps' batches: one step's G batches are then neighbours among 8 G.
+    batches = _cut_batches(
+        rows,
+        row_lengths,
+        row_keys,
+        token_budget=token_budget,
+        max_batch_size=max_batch_size,
+        window_batches=SORT_WINDOW_BATCHES * step_batches,
+    )
+    # Shuffled in groups of a step's batches (neighbours in the sorted order); with one batch per step this is
+    # the plain permutation of the batches.
+    full = len(batches) // step_batches
+    groups = [batches[g * step_batches : (g + 1) * step_batches] for g in range(full)]
+    shuffled = [batch for g in rng.permutation(full) for batch in groups[g]]
+    return shuffled + batches[full * step_batches :]
 
 
 def _pack_rows(order: list[int], length_of: list[int], max_seq_len: int) -> list[list[int]]:
@@ -283,11 +321,12 @@ def _cut_batches(
     *,
     token_budget: int,
     max_batch_size: int,
+    window_batches: int = SORT_WINDOW_BATCHES,
 ) -> list[list[list[int]]]:
-    """Sort rows by `row_keys` (largest first) within windows, then cut them greedily into batches within the
-    budget."""
-    window_rows = SORT_WINDOW_BATCHES * max_batch_size
-    window_tokens = SORT_WINDOW_BATCHES * token_budget
+    """Sort rows by `row_keys` (largest first) within windows of about `window_batches` batches, then cut them
+    greedily into batches within the budget."""
+    window_rows = window_batches * max_batch_size
+    window_tokens = window_batches * token_budget
     ordered: list[int] = []
     window: list[int] = []
     window_used = 0

@@ -25,8 +25,11 @@ class TrainingData:
     pad_token_id: int
 
 
-def load_training_data(config: RunConfig, target: LoadedTarget, *, rank: int, world_size: int) -> TrainingData:
-    """The shards of `data.train_shards` and a sampler dealing their batches to `rank` of `world_size`."""
+def load_training_data(
+    config: RunConfig, target: LoadedTarget, *, rank: int, world_size: int, step_batches: int = 1
+) -> TrainingData:
+    """The shards of `data.train_shards` and a sampler dealing their batches to `rank` of `world_size`, shuffled
+    in groups of `step_batches` (one optimizer step's global batches)."""
     data = config.data
     if not data.train_shards:
         raise ValueError("data.train_shards: no shard directory given (run `dflash-trainer prepare` first)")
@@ -45,6 +48,7 @@ def load_training_data(config: RunConfig, target: LoadedTarget, *, rank: int, wo
         rank=rank,
         world_size=world_size,
         anchor_counts=dataset.anchor_counts(data.max_anchors) if data.balance_anchors else None,
+        step_batches=step_batches,
     )
     pad = target.tokenizer.pad_token_id
     return TrainingData(dataset=dataset, sampler=sampler, pad_token_id=0 if pad is None else pad)

@@ -387,9 +387,11 @@ class TargetWorker:
         self.target = target
         self.should_stop = should_stop
         self.faults = FaultInjection.from_env(world.rank)
-        # The global batch list, as the drafters see it.
-        self.data: TrainingData = load_training_data(config, target, rank=0, world_size=1)
         self.batches_per_step = roles.num_drafters * config.optim.grad_accum
+        # The global batch list, as the drafters see it.
+        self.data: TrainingData = load_training_data(
+            config, target, rank=0, world_size=1, step_batches=self.batches_per_step
+        )
         self.sender = FeatureSender(
             queue_depth=config.placement.queue_depth,
             header_group=roles.header_group,

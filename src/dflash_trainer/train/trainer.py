@@ -282,10 +282,13 @@ class Trainer:
 
     def _setup_data(self) -> None:
         rank, world_size, self.sampler_step_batches = self._sampler_shard()
-        self.data = load_training_data(self.config, self.target, rank=rank, world_size=world_size)
-        self.dataset, self.sampler = self.data.dataset, self.data.sampler
-        # Global micro-batches per optimizer step (what a resume must keep, see train/schedule.py).
+        # Global micro-batches per optimizer step (what a resume must keep, see train/schedule.py); the sampler
+        # shuffles the batches in groups of that many, so one step's batches are of similar size.
         self.batches_per_step = self.group_size * self.config.optim.grad_accum
+        self.data = load_training_data(
+            self.config, self.target, rank=rank, world_size=world_size, step_batches=self.batches_per_step
+        )
+        self.dataset, self.sampler = self.data.dataset, self.data.sampler
         self.total_steps = count_steps(
             self.sampler,
             epochs=self.config.train.epochs,
