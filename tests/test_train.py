@@ -160,3 +160,23 @@ def test_the_data_stage_builds_flex_tables_of_the_configured_tile(tmp_path):
         tables=batch.mask_tables,
     )
     assert {mask.BLOCK_SIZE for mask in masks.by_variant.values()} == {(64, 64)}
+
+
+def test_allocator_retries_are_logged_and_warned_about_once(tmp_path, shards, monkeypatch):
+    """Near the memory limit the CUDA caching allocator retries allocations (a slow, synchronising path): the count
+    goes to the metrics and the first retry prints one warning naming the remedies. (CPU run: the counter is
+    simulated; on a GPU it is `torch.cuda.memory_stats`.)"""
+    from dflash_trainer.train import trainer as trainer_module
+
+    readings = iter([0, 2, 5, 5, 5, 5, 5, 5])
+    monkeypatch.setattr(trainer_module, "allocator_retries", lambda device: next(readings))
+    target = save_tiny_target(tmp_path / "target")
+    recipe = write_recipe(
+        tmp_path / "r.yaml", tmp_path / "run", target, shards, train={"max_steps": 4}, metrics={"log_every": 1}
+    )
+    lines: list[str] = []
+    Trainer(load_config(recipe), log=lines.append).fit()
+    logged = [r["alloc_retries"] for r in read_metrics(tmp_path / "run") if "alloc_retries" in r]
+    assert logged == [0, 2, 5, 5]
+    warnings = [line for line in lines if "allocator retried" in line]
+    assert len(warnings) == 1 and "expandable_segments:True" in warnings[0] and "retried 2 " in warnings[0]

@@ -45,7 +45,7 @@ from .config import RunConfig, load_config
 from .data.shards import ShardWriter
 from .kernel_profile import KernelProfile, format_profile, profile_kernels
 from .target.loader import LoadedTarget
-from .train.metrics import measured_peak_flops
+from .train.metrics import allocator_retries, measured_peak_flops
 from .train.profiler import StageProfiler
 from .train.trainer import StepWork, Trainer
 
@@ -171,13 +171,6 @@ def compiled_frames() -> int:
     return int(counters["frames"]["ok"])
 
 
-def alloc_retries(device: torch.device) -> int:
-    """The caching allocator's cudaMalloc retries so far on `device` (0 off CUDA)."""
-    if device.type != "cuda":
-        return 0
-    return int(torch.cuda.memory_stats(device).get("num_alloc_retries", 0))
-
-
 def time_steps(
     trainer: Trainer,
     works: Iterator[StepWork],
@@ -204,7 +197,7 @@ def time_steps(
     for _ in range(1, warmup):
         run(next(works))
     sync()
-    frames, retries = compiled_frames(), alloc_retries(device)
+    frames, retries = compiled_frames(), allocator_retries(device) or 0
     times, tokens, blocks = [], [], []
     for _ in range(steps):
         work = next(works)
@@ -216,7 +209,7 @@ def time_steps(
         tokens.append(sum(b.num_tokens for b in work.batches))
         blocks.append(sum(b.num_blocks for b in work.batches))
     recompiles = compiled_frames() - frames
-    retries = alloc_retries(device) - retries
+    retries = (allocator_retries(device) or 0) - retries
     trainer._settle_flags()
     median = statistics.median(times)
     tokens_per_step = float(np.mean(tokens))

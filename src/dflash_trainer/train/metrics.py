@@ -11,6 +11,7 @@ converting device counters happens once per log step, the one place the hot loop
     lr, grad_norm    optimiser state
     tokens_per_s     target tokens per second (all ranks), mfu (fraction of peak FLOP/s)
     step_time_s      seconds per optimizer step, peak_mem_gib
+    alloc_retries    CUDA caching allocator retries so far (near the memory limit; GPU only)
     inflight         batches in flight to a drafter (disaggregated placement)
     wait_<name>_s    seconds spent waiting on <name> per step (e.g. wait_features_s)
     eval_tau, eval_loss   from periodic speculative-decoding evaluation
@@ -325,6 +326,16 @@ class Progress:
         if self._bar is not None:
             self._bar.close()
             self._bar = None
+
+
+def allocator_retries(device: torch.device | str) -> int | None:
+    """cudaMalloc retries of the CUDA caching allocator so far (None off CUDA). A retry means an allocation did not
+    fit, so the allocator freed its cache and tried again: a synchronising slow path, the sign of a step near the
+    memory limit. Reads host counters: no device sync."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return None
+    return int(torch.cuda.memory_stats(device).get("num_alloc_retries", 0))
 
 
 def peak_memory_gib(device: torch.device | str) -> float:

@@ -70,6 +70,7 @@ from .metrics import (
     MetricsLogger,
     Progress,
     Throughput,
+    allocator_retries,
     dflash_flops_per_token,
     format_console_line,
     measured_peak_flops,
@@ -179,6 +180,7 @@ class Trainer:
         self._setup_optimizer()
         self.step = 0
         self.skipped_nonfinite = 0
+        self._alloc_retries_warned = False
         self.stop_agreed = False
         self._pending_flags: StepFlags | None = None
         # The data position of the last trained step, when steps are prepared ahead (see StepWork).
@@ -644,6 +646,16 @@ class Trainer:
             values["mfu"] = mfu(values["tokens_per_s"], flops, peak * self.world.world_size)
         if self.skipped_nonfinite:
             values["skipped_steps"] = self.skipped_nonfinite
+        retries = allocator_retries(self.device)
+        if retries is not None:
+            values["alloc_retries"] = retries
+            if retries and not self._alloc_retries_warned:
+                self._alloc_retries_warned = True
+                self.log(
+                    f"warning: the CUDA caching allocator retried {retries} allocation(s) on {self.rank_label()}: "
+                    "steps this close to the memory limit slow down (each retry frees the cache and synchronises); "
+                    "set PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True or lower data.token_budget"
+                )
         if self._prefetcher is not None and self.window_steps:
             values["wait_prefetch_s"] = (self._prefetcher.wait_s - self._logged_prefetch_wait_s) / self.window_steps
             self._logged_prefetch_wait_s = self._prefetcher.wait_s
