@@ -18,8 +18,9 @@
 #   while GPU 0 regenerates: the sweep waits for the main job's shards anyway)
 #   bash benchmarks/gpu_session.sh wait S                    report every minute for up to S seconds
 #   bash benchmarks/gpu_session.sh collect                   pack logs and results (no weights) into $OUT
-#   bash benchmarks/gpu_session.sh smoke                      the training path's GPU tests (~1 min): after a
-#                                                hot-path change, before spending 20 minutes on the jobs
+#   bash benchmarks/gpu_session.sh smoke                      the training path's GPU tests (drafter masks and
+#                                                tiles, loss, fit loop, the target's packed rows and compiled layers;
+#                                                ~2 min): after a hot-path change, before the 20-minute jobs
 #   [SETTINGS=...] bash benchmarks/gpu_session.sh disagg     benchmarks/disagg_bench.sh on both GPUs (after the jobs)
 #   [TESTS=...] bash benchmarks/gpu_session.sh hybrid [.fla]  the hybrid benchmark with fla (the fallback was
 #                                                measured on 2026-11-30), then the GPU tests with fla
@@ -145,7 +146,7 @@ case "$STAGE" in
     ;;
   smoke)
     cd "$REPO" && PYTHONPATH=$REPO/src:$SITE timeout 300 python3 -m pytest -q -x -m gpu -p no:cacheprovider \
-      tests/test_gpu.py 2>&1 | tail -15
+      tests/test_gpu.py tests/test_packed_target_gpu.py -k "not hybrid" 2>&1 | tail -15
     ;;
   disagg)
     # In the foreground (about 6 minutes for both settings); its JSON lands in $RES, packed by `collect` (a call
