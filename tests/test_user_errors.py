@@ -138,6 +138,17 @@ def test_yaml_syntax_error_is_one_line(tmp_path, capsys):
     assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.parametrize(
+    ("ablation", "pattern"),
+    [("bad", r"--ablation 'bad': expected NAME:key=value"), ("x:drafter.nope=1", r"drafter\.nope: unknown key")],
+)
+def test_a_bad_bench_ablation_is_one_line_before_any_phase_runs(ablation, pattern, capsys):
+    code = cli.main(["bench", str(ROOT / "recipes/bench-smollm2.yaml"), "--ablation", ablation])
+    captured = capsys.readouterr()
+    assert_one_line_error(code, captured.err, pattern)
+    assert "bench:" not in captured.out  # refused before the first phase
+
+
 def test_resume_to_a_bad_path_is_refused_and_leaves_no_run_dir(tmp_path, capsys):
     argv = ["train", "smollm2-135m", f"run_dir={tmp_path / 'run'}", "--resume", str(tmp_path / "nope")]
     code, err = run_main(argv, capsys)

@@ -41,7 +41,7 @@ import numpy as np
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from .config import RunConfig, load_config
+from .config import ConfigError, RunConfig, load_config
 from .data.shards import ShardWriter
 from .kernel_profile import KernelProfile, format_profile, profile_kernels
 from .target.loader import LoadedTarget
@@ -275,11 +275,12 @@ def live_steps(trainer: Trainer) -> Iterator[StepWork]:
 
 
 def parse_ablation(text: str) -> tuple[str, list[str]]:
-    """`name:key=value,key=value` -> (name, overrides)."""
+    """`name:key=value,key=value` -> (name, overrides); a malformed one is the user's error, named."""
     name, _, rest = text.partition(":")
-    if not name or not rest:
-        raise ValueError(f"--ablation {text!r}: expected NAME:key=value[,key=value...]")
-    return name, rest.split(",")
+    overrides = rest.split(",")
+    if not name or not rest or not all("=" in override for override in overrides):
+        raise ConfigError(f"--ablation {text!r}: expected NAME:key=value[,key=value...]")
+    return name, overrides
 
 
 def run_bench(
@@ -298,6 +299,8 @@ def run_bench(
     parsed = [parse_ablation(text) for text in ablations]
     with tempfile.TemporaryDirectory() as tmp:
         probe = bench_config(recipe, overrides, Path(tmp) / "shards", Path(tmp) / "run")
+        for _, extra in parsed:  # a bad ablation fails here, not after the phases before it have run
+            bench_config(recipe, [*overrides, *extra], Path(tmp) / "shards", Path(tmp) / "run")
         setting = setting_for(probe)
         # Enough steps for the end-to-end phases: warm-up, timed, stage- and kernel-profiled steps, and some slack.
         groups = 2 * (warmup + steps + 2 * PROFILED_STEPS + 2)
