@@ -149,6 +149,15 @@ def test_a_bad_bench_ablation_is_one_line_before_any_phase_runs(ablation, patter
     assert "bench:" not in captured.out  # refused before the first phase
 
 
+def test_regenerate_with_a_missing_prompt_file_fails_before_loading_the_target(tmp_path, capsys, monkeypatch):
+    from dflash_trainer.train import pipeline
+
+    monkeypatch.setattr(pipeline, "load_target", lambda *args, **kwargs: pytest.fail("loaded the target first"))
+    argv = ["regenerate", "--input", str(tmp_path / "none.jsonl"), "--out", str(tmp_path / "out")]
+    code, err = run_main(argv, capsys)
+    assert_one_line_error(code, err, r"none\.jsonl: prompt file not found")
+
+
 def test_resume_to_a_bad_path_is_refused_and_leaves_no_run_dir(tmp_path, capsys):
     argv = ["train", "smollm2-135m", f"run_dir={tmp_path / 'run'}", "--resume", str(tmp_path / "nope")]
     code, err = run_main(argv, capsys)

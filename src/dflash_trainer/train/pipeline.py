@@ -283,9 +283,10 @@ def regenerate_command(
 ) -> None:
     from ..target.regenerate import regenerate
 
+    records = regeneration_records(source, limit)  # a missing prompt file fails before the target loads
     loaded = load_target(target)
     summary = regenerate(
-        regeneration_records(source, limit),
+        records,
         loaded,
         out_dir,
         max_new_tokens=max_new_tokens,
