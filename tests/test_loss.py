@@ -9,11 +9,12 @@ import torch
 
 from dflash_trainer.model.loss import (
     LossMetrics,
+    block_slot_tokens,
     default_gamma,
     dflash_loss,
     expected_acceptance,
+    greedy_next_tokens,
     slot_weights,
-    target_argmax_labels,
 )
 
 VOCAB = 50
@@ -360,9 +361,8 @@ def test_target_argmax_labels_per_position_equal_the_per_slot_argmax(chunk_posit
     for per_position in (False, True):
         h = hidden.clone().requires_grad_(True)
         if per_position:
-            labels = target_argmax_labels(
-                final_hidden, weight, anchors, block_size=block, lm_head_bias=bias, chunk_positions=chunk_positions
-            )
+            next_tokens = greedy_next_tokens(final_hidden, weight, lm_head_bias=bias, chunk_positions=chunk_positions)
+            labels = block_slot_tokens(next_tokens, anchors, block_size=block)
             out = dflash_loss(h, weight, labels, valid, gamma=3.0, lm_head_bias=bias)
         else:
             target_hidden = gather_block_states(states=final_hidden, anchors=anchors, block_size=block)
@@ -385,15 +385,9 @@ def test_target_argmax_labels_per_position_equal_the_per_slot_argmax(chunk_posit
     assert float(ref_metrics[4:].sum()) > 0  # some slots counted: the comparison covers real work
 
 
-def test_target_argmax_labels_reject_a_bad_chunk() -> None:
+def test_greedy_next_tokens_reject_a_bad_chunk() -> None:
     with pytest.raises(ValueError, match="chunk_positions"):
-        target_argmax_labels(
-            torch.zeros(1, 4, 2),
-            torch.zeros(3, 2),
-            torch.zeros(1, 1, dtype=torch.long),
-            block_size=2,
-            chunk_positions=0,
-        )
+        greedy_next_tokens(torch.zeros(1, 4, 2), torch.zeros(3, 2), chunk_positions=0)
 
 
 def test_soft_loss_is_zero_when_drafter_equals_target() -> None:

@@ -50,19 +50,27 @@ def test_target_argmax_labels_in_the_trainer_are_the_targets_greedy_tokens(tmp_p
     """With `loss.label_source=target_argmax` the trainer labels slot k of anchor a with the target's argmax after
     position a+k-1, computed once per position: checked against the per-slot definition at every step."""
     from dflash_trainer.model.anchors import gather_block_states
+    from dflash_trainer.target.capture import TargetOutputs
     from dflash_trainer.train import trainer as trainer_module
 
-    real = trainer_module.target_argmax_labels
-    checked = []
+    real_next_tokens, real_slot_tokens = TargetOutputs.with_next_tokens, trainer_module.block_slot_tokens
+    seen, checked = [], []
 
-    def checking(final_hidden, weight, anchors, *, block_size, lm_head_bias=None, **options):
-        labels = real(final_hidden, weight, anchors, block_size=block_size, lm_head_bias=lm_head_bias, **options)
+    def recording(outputs, lm_head, **options):  # what the labels come from: the final states and the head
+        seen.append((outputs.final_hidden, lm_head))
+        return real_next_tokens(outputs, lm_head, **options)
+
+    def checking(next_tokens, anchors, *, block_size):
+        labels = real_slot_tokens(next_tokens, anchors, block_size=block_size)
+        final_hidden, head = seen[-1]
+        weight, bias = head.weight, getattr(head, "bias", None)
         states = gather_block_states(states=final_hidden, anchors=anchors, block_size=block_size).to(weight.dtype)
-        logits = states @ weight.T + (0 if lm_head_bias is None else lm_head_bias)
+        logits = states @ weight.T + (0 if bias is None else bias)
         checked.append(torch.equal(labels, logits.argmax(dim=-1)))
         return labels
 
-    monkeypatch.setattr(trainer_module, "target_argmax_labels", checking)
+    monkeypatch.setattr(TargetOutputs, "with_next_tokens", recording)
+    monkeypatch.setattr(trainer_module, "block_slot_tokens", checking)
     target = save_tiny_target(tmp_path / "target")
     recipe = write_recipe(
         tmp_path / "r.yaml",

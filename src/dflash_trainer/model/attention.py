@@ -25,12 +25,12 @@ the element-wise rule (document ids compared per key) as the oracle the ranges m
 
 GPU: flex_attention with a BlockMask built once per batch per layer variant. Default builder ("anchors"): the
 tile tables (which query/key tiles, 128 x 128 or `drafter.flex_tile`, are empty, full, or partial) come from the
-same context ranges
-(`tile_tables`), with no pass over the Q x KV grid: a block's context is one contiguous key range, its own block
-is one contiguous key range, and nothing else is visible. The tables and the ranges are small integer tensors
-([R, Qt, KVt], [R, N]), computed on the CPU in the data stage (or on any device) and travel together
-(`TileTables`), so the step builds the `mask_mod` without any kernel and the BlockMask with a few small ones (its
-transposed tables); the kernel evaluates the `mask_mod` inside partial tiles, so the mask is exactly the rule.
+same context ranges (`tile_tables`), with no pass over the Q x KV grid: a block's context is one contiguous key
+range, its own block is one contiguous key range, and nothing else is visible. The tables and the ranges are
+small integer tensors ([R, Qt, KVt], [R, N]), computed on the CPU in the data stage (or on any device) and travel
+together (`TileTables`), so the step builds the `mask_mod` without any kernel and the BlockMask with a few small
+ones (its transposed tables); the kernel evaluates the `mask_mod` inside partial tiles, so the mask is exactly
+the rule.
 `tests/test_attention.py` checks the tables against `create_block_mask`. The "mask_mod" builder
 (`create_block_mask`, compiled) is kept as the reference and ablation.
 CPU: SDPA with a dense boolean mask evaluated from the same `mask_mod` on broadcast int32 index tensors.

@@ -271,8 +271,13 @@ def greedy_next_tokens(
 ) -> Tensor:
     """[R, T] int64: the target's greedy token after every position, argmax(W h_t + b), with the head and the
     states in `dtype` (default the head's) and `chunk_positions` rows of logits at a time ([chunk, V] at most).
-    Deterministic given its inputs: a disaggregated target rank computes these and the drafter rank gets the
-    same labels as one process would."""
+
+    The labels of `label_source="target_argmax"` are these, gathered per block slot (`block_slot_tokens`): the LM
+    head runs once per *position*, where `dflash_loss` with `target_argmax` runs it per slot (R*N*B rows; 2.7x more
+    at the paper setting: 21,840 slots against 8,192 positions, as neighbouring blocks share all but one). The
+    products are those `dflash_loss` takes (same vectors and head in `dtype`), so these labels with
+    `label_source="data"` give its `target_argmax` loss, metrics and gradient. Deterministic given its inputs: a
+    disaggregated target rank computes them and the drafter gets the labels one process would."""
     if chunk_positions < 1:
         raise ValueError(f"greedy_next_tokens: chunk_positions must be >= 1, got {chunk_positions}")
     rows, length, width = final_hidden.shape
@@ -298,31 +303,6 @@ def block_slot_tokens(next_tokens: Tensor, anchors: Tensor, *, block_size: int) 
     index = anchors.unsqueeze(-1) + torch.arange(block_size, device=anchors.device) - 1  # [R, N, B]: a + k - 1
     index = torch.clamp(index, min=0, max=length - 1).view(rows, -1)
     return torch.gather(next_tokens, 1, index).view(rows, -1, block_size)
-
-
-def target_argmax_labels(
-    final_hidden: Tensor,  # [R, T, H] the target's final state (after its final norm) at every position
-    lm_head_weight: Tensor,  # [V, H]
-    anchors: Tensor,  # [R, N] int64
-    *,
-    block_size: int,
-    lm_head_bias: Tensor | None = None,  # [V]
-    dtype: torch.dtype | None = None,
-    chunk_positions: int = 2048,
-) -> Tensor:
-    """[R, N, B] int64: the target's greedy token for every block slot, the labels of `label_source="target_argmax"`.
-
-    Slot k of the block anchored at a gets argmax(W h_{a+k-1} + b), from the state `gather_block_states` takes.
-    The LM head runs once per *position* (`greedy_next_tokens`) and the argmaxes are gathered per slot
-    (`block_slot_tokens`): neighbouring blocks share all but one position, so this is R*T rows of LM head where
-    `dflash_loss` with `target_argmax` runs R*N*B (2.7x fewer at the paper setting: 8,192 positions against
-    21,840 slots). The products are those `dflash_loss` takes (same vectors and head in `dtype`, default the
-    head's), so passing these labels with `label_source="data"` gives its `target_argmax` loss, metrics and
-    gradient."""
-    next_tokens = greedy_next_tokens(
-        final_hidden, lm_head_weight, lm_head_bias=lm_head_bias, dtype=dtype, chunk_positions=chunk_positions
-    )
-    return block_slot_tokens(next_tokens, anchors, block_size=block_size)
 
 
 def _check_inputs(

@@ -48,6 +48,7 @@ import torch
 from torch import Tensor, nn
 from transformers import PreTrainedModel
 
+from ..model.loss import greedy_next_tokens
 from .attention import BACKENDS, PackedAttention, documents_attention_implementation, layer_windows, resolve_backend
 from .documents import DocumentLayout
 from .per_document import document_groups
@@ -67,6 +68,17 @@ class TargetOutputs:
     # target-argmax labels need, in place of final_hidden (a disaggregated target sends these: 8 bytes a position
     # instead of 2H, and the LM head runs on the target rank).
     next_tokens: Tensor | None = None
+
+    def with_next_tokens(self, lm_head: nn.Module, *, chunk_positions: int) -> TargetOutputs:
+        """These outputs with the greedy next tokens under `lm_head` in place of the final states. The one place
+        they are computed, on a target rank or in one process alike, so both get the same labels."""
+        if self.final_hidden is None:
+            raise ValueError("with_next_tokens: the capture kept no final states (need_final_hidden=False)")
+        bias = getattr(lm_head, "bias", None)
+        tokens = greedy_next_tokens(
+            self.final_hidden, lm_head.weight, lm_head_bias=bias, chunk_positions=chunk_positions
+        )
+        return TargetOutputs(features=self.features, final_hidden=None, next_tokens=tokens)
 
 
 class _StopAfterDeepestLayer(Exception):

@@ -77,7 +77,6 @@ from ..distributed.transport import (
     send_notices,
 )
 from ..distributed.world import World
-from ..model.loss import greedy_next_tokens
 from ..target.capture import FeatureCapture, TargetOutputs, decoder_module, embedding_module, lm_head_module
 from ..target.loader import LoadedTarget, load_target, quantize_target_to_fp8, resolve_dtype
 from .batch import TrainBatch
@@ -489,9 +488,10 @@ class TargetWorker:
             batch = host_batch.to(self.world.device)
         with self.profiler.stage("target_forward"):
             outputs = batch.capture_target(capture)
-        if self.config.loss.label_source == "target_argmax":
+        if self.config.loss.label_source == "target_argmax":  # the LM head runs here, on the target rank
             with self.profiler.stage("target_labels"):
-                outputs = self._with_next_tokens(outputs, block_size=start["block_size"])
+                chunk = self.config.loss.chunk_blocks * start["block_size"]
+                outputs = outputs.with_next_tokens(lm_head_module(self.target.model), chunk_positions=chunk)
         host, tensors = pack_batch(
             batch, outputs, num_features=len(start["layer_ids"]), split=self.config.placement.split_features
         )
@@ -519,20 +519,6 @@ class TargetWorker:
             self.profiler.reset()
         with self.profiler.stage("send"):
             self.sender.send(destination, meta=meta, tensors=tensors)
-
-    def _with_next_tokens(self, outputs: TargetOutputs, *, block_size: int) -> TargetOutputs:
-        """The target's greedy next tokens in place of its final states: the drafter gathers its target-argmax
-        labels from them. Computed as one process computes them (`Trainer._forward_backward`: the same head,
-        dtype and chunks), so the labels, and the training, are the same."""
-        assert outputs.final_hidden is not None  # captured: label_source is not "data"
-        head = lm_head_module(self.target.model)
-        next_tokens = greedy_next_tokens(
-            outputs.final_hidden,
-            head.weight,
-            lm_head_bias=getattr(head, "bias", None),
-            chunk_positions=self.config.loss.chunk_blocks * block_size,
-        )
-        return TargetOutputs(features=outputs.features, final_hidden=None, next_tokens=next_tokens)
 
 
 def load_target_for_role(config: RunConfig, *, roles: Roles, world: World) -> LoadedTarget:

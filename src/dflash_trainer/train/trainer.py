@@ -52,7 +52,7 @@ from ..model.anchors import gather_block_states, kept_blocks_only
 from ..model.attention import build_masks, resolve_backend
 from ..model.config import DrafterModelConfig
 from ..model.drafter import DFlashDrafter
-from ..model.loss import LossMetrics, block_slot_tokens, default_gamma, dflash_loss, target_argmax_labels
+from ..model.loss import LossMetrics, block_slot_tokens, default_gamma, dflash_loss
 from ..model.noise import add_feature_noise, noise_std_at
 from ..model.target_init import copy_target_layers, resolve_layer_ids
 from ..target.capture import (
@@ -563,19 +563,13 @@ class Trainer:
             with self.profiler.stage("loss"):
                 loss_config = self.config.loss
                 labels, label_source, target_hidden = batch.labels, loss_config.label_source, None
-                if label_source == "target_argmax" and outputs.next_tokens is not None:  # from a target rank
+                if label_source == "target_argmax":
+                    # One LM-head pass per position instead of per block slot (blocks overlap), gathered per slot:
+                    # the same labels. A target rank may have sent the next tokens already.
+                    if outputs.next_tokens is None:
+                        chunk = loss_config.chunk_blocks * block
+                        outputs = outputs.with_next_tokens(self.lm_head, chunk_positions=chunk)
                     labels = block_slot_tokens(outputs.next_tokens, batch.anchors, block_size=block)
-                    label_source = "data"
-                elif label_source == "target_argmax" and outputs.final_hidden is not None:
-                    # One LM-head pass per position instead of per block slot (blocks overlap): the same labels.
-                    labels = target_argmax_labels(
-                        outputs.final_hidden,
-                        self.lm_head.weight,
-                        batch.anchors,
-                        block_size=block,
-                        lm_head_bias=getattr(self.lm_head, "bias", None),
-                        chunk_positions=loss_config.chunk_blocks * block,
-                    )
                     label_source = "data"
                 elif outputs.final_hidden is not None:
                     target_hidden = gather_block_states(
