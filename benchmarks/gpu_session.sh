@@ -102,7 +102,7 @@ case "$STAGE" in
   bench)
     # The benchmarks alone, in the background on GPU 0 (one-GPU machine: measure first, then choose the main job's
     # overrides from the numbers); BENCH_FIRST names the settings (smollm2, paper or both).
-    bg bench "cd $REPO && export PYTHONPATH=$REPO/src:$SITE OMP_NUM_THREADS=8 FLEX_FLAGS='${FLEX_FLAGS:-}' && $(bench_on 0)"
+    bg bench "cd $REPO && export PYTHONPATH=$REPO/src:$SITE OMP_NUM_THREADS=8 FLEX_FLAGS='${FLEX_FLAGS:-}' && $(bench_on 0) true"
     echo "started: benchmarks (${BENCH_FIRST:?BENCH_FIRST names the settings}) on GPU 0"
     ;;
   wait)

@@ -105,6 +105,12 @@ def test_compiled_loss_on_gpu_matches_the_cpu_reference(label_source, weighting)
     labels = torch.randint(0, vocab, (rows, blocks, block), generator=gen)
     valid = torch.rand(rows, blocks, block, generator=gen) < 0.8
     target_hidden = hidden + 0.3 * torch.randn(rows, blocks, block, width, generator=gen, dtype=torch.float64)
+    if label_source == "target_argmax":
+        # Labels taken from bf16 logits flip at near-ties, and a flipped label moves its slot's whole gradient
+        # (10 of 964 slots flipped gave a relative gradient error of 0.22 on an H200). Pull each target state
+        # towards its label's head row so every argmax wins by >= 3.7 logits (float64: 0 bf16 flips on the CPU):
+        # this test checks the compiled loss, not bf16 near-ties.
+        target_hidden = target_hidden + 8 * weight[labels]
     options = dict(gamma=7.0, weighting=weighting, label_source=label_source, chunk_blocks=16)
     results = {}
     for name, device, dtype, compile in (("cpu", "cpu", torch.float64, False), ("gpu", "cuda", torch.bfloat16, True)):
@@ -123,12 +129,10 @@ def test_compiled_loss_on_gpu_matches_the_cpu_reference(label_source, weighting)
         results[name] = (out.loss.double().cpu(), out.metrics.to_tensor().cpu(), h.grad.double().cpu())
     (ref_loss, ref_metrics, ref_grad), (loss, metrics, grad) = results["cpu"], results["gpu"]
     assert abs(float(loss - ref_loss)) < 2e-2 * abs(float(ref_loss)), (loss, ref_loss)
-    # Counts agree exactly where no bf16 near-tie flips an argmax: allow a few flipped slots. With target-argmax
-    # labels the labels are bf16 argmaxes too, so a near-tie can flip either side (10 of 964 slots seen on an H200).
+    # Counts agree exactly where no bf16 near-tie flips the drafter's argmax: allow a few flipped slots.
     counts = slice(4 + block, None)
     torch.testing.assert_close(metrics[counts], ref_metrics[counts], rtol=0, atol=0)
-    flips = 0.02 if label_source == "target_argmax" else 0.01
-    assert float((metrics[4 : 4 + block] - ref_metrics[4 : 4 + block]).abs().sum()) <= flips * float(valid.sum())
+    assert float((metrics[4 : 4 + block] - ref_metrics[4 : 4 + block]).abs().sum()) <= 0.01 * float(valid.sum())
     grad_error = float((grad - ref_grad).norm() / ref_grad.norm())
     assert grad_error < 3e-2, grad_error
 
