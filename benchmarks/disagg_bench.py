@@ -4,7 +4,7 @@ short training runs (`train.max_steps`) of the trainer on synthetic shards. Driv
 Settings (random targets built on the device, so no weights are needed):
 - `smollm2`: a SmolLM2-135M-shaped Llama (hidden 576, 30 layers, 9 heads, 3 kv heads, intermediate 1536, vocab
   49152) with the GPU recipe's batch shape (recipes/bench-smollm2.yaml: 16384-token batches of rows up to 1024
-  tokens, block 16, 5 drafter layers, up to 512 anchors per document) on bench.py's documents shaped like the
+  tokens, block 16, 5 drafter layers, up to 64 anchors per document) on bench.py's documents shaped like the
   recipe's regenerated data (`smollm2_documents`);
 - `paper`: recipes/bench-qwen3-8b.yaml (a Qwen3-8B-shaped target, packed 8192-token rows of 3072 + 3072 + 2048);
 - `hybrid27b`: the same rows and drafter with a Qwen3.6-27B-shaped hybrid target truncated after its deepest tap
