@@ -170,6 +170,42 @@ def test_the_data_stage_builds_flex_tables_of_the_configured_tile(tmp_path):
     assert {mask.BLOCK_SIZE for mask in masks.by_variant.values()} == {(64, 64)}
 
 
+def test_compile_watch_counts_frames_and_new_ones_per_take():
+    """CompileWatch reads dynamo's counters: a first call compiles (the warm-up), the same shape reuses the code, a
+    static function called with a new shape compiles again (the recompile training must report)."""
+    from dflash_trainer.train.metrics import CompileWatch
+
+    watch = CompileWatch()  # counts from here: earlier tests' compilations are not this watch's
+    assert watch.take() == (0, 0.0, 0)
+    double = torch.compile(lambda x: 2 * x + 1, backend="aot_eager", dynamic=False)
+    double(torch.ones(3))
+    frames, seconds, new = watch.take()
+    assert (frames, new) == (1, 1) and seconds > 0
+    double(torch.ones(3))
+    assert watch.take()[::2] == (1, 0)
+    double(torch.ones(5))  # dynamic=False: a new shape is a new compilation
+    assert watch.take()[::2] == (2, 1)
+
+
+def test_compilations_after_the_first_log_step_are_logged_and_noted(tmp_path, shards):
+    """Training logs compiles / compile_s at every log step; frames compiled after the first log step (the
+    warm-up) print a note naming the step, the count and the shape buckets. (CPU run: the counts are scripted; the
+    real watch is tested above.)"""
+    target = save_tiny_target(tmp_path / "target")
+    recipe = write_recipe(
+        tmp_path / "r.yaml", tmp_path / "run", target, shards, train={"max_steps": 4}, metrics={"log_every": 1}
+    )
+    lines: list[str] = []
+    trainer = Trainer(load_config(recipe), log=lines.append)
+    readings = iter([(3, 20.0, 3), (3, 20.0, 0), (5, 35.5, 2), (5, 35.5, 0)])
+    trainer._compile_watch = type("ScriptedWatch", (), {"take": lambda self: next(readings)})()
+    trainer.fit()
+    logged = [(r["compiles"], r["compile_s"]) for r in read_metrics(tmp_path / "run") if "compiles" in r]
+    assert logged == [(3, 20.0), (3, 20.0), (5, 35.5), (5, 35.5)]
+    notes = [line for line in lines if "torch.compile compiled" in line]
+    assert len(notes) == 1 and "2 more frame(s) in the steps up to 3" in notes[0] and "35.5 s in all" in notes[0]
+
+
 def test_allocator_retries_are_logged_and_warned_about_once(tmp_path, shards, monkeypatch):
     """Near the memory limit the CUDA caching allocator retries allocations (a slow, synchronising path): the count
     goes to the metrics and the first retry prints one warning naming the remedies. (CPU run: the counter is

@@ -45,7 +45,7 @@ from .config import ConfigError, RunConfig, load_config
 from .data.shards import ShardWriter
 from .kernel_profile import KernelProfile, format_profile, profile_kernels
 from .target.loader import LoadedTarget
-from .train.metrics import allocator_retries, measured_peak_flops
+from .train.metrics import CompileWatch, allocator_retries, measured_peak_flops
 from .train.profiler import StageProfiler
 from .train.trainer import StepWork, Trainer
 
@@ -164,13 +164,6 @@ def write_synthetic_shards(out_dir: Path, *, setting: Setting, groups: int, voca
     return out_dir
 
 
-def compiled_frames() -> int:
-    """Frames dynamo has compiled so far in this process (a compilation after warm-up is a recompile)."""
-    from torch._dynamo.utils import counters
-
-    return int(counters["frames"]["ok"])
-
-
 def time_steps(
     trainer: Trainer,
     works: Iterator[StepWork],
@@ -197,7 +190,7 @@ def time_steps(
     for _ in range(1, warmup):
         run(next(works))
     sync()
-    frames, retries = compiled_frames(), allocator_retries(device) or 0
+    compiles, retries = CompileWatch(), allocator_retries(device) or 0
     times, tokens, blocks = [], [], []
     for _ in range(steps):
         work = next(works)
@@ -208,7 +201,7 @@ def time_steps(
         times.append(time.perf_counter() - start)
         tokens.append(sum(b.num_tokens for b in work.batches))
         blocks.append(sum(b.num_blocks for b in work.batches))
-    recompiles = compiled_frames() - frames
+    recompiles = compiles.take()[0]
     retries = (allocator_retries(device) or 0) - retries
     trainer._settle_flags()
     median = statistics.median(times)

@@ -12,6 +12,8 @@ converting device counters happens once per log step, the one place the hot loop
     tokens_per_s     target tokens per second (all ranks), mfu (fraction of peak FLOP/s)
     step_time_s      seconds per optimizer step, peak_mem_gib
     alloc_retries    CUDA caching allocator retries so far (near the memory limit; GPU only)
+    compiles, compile_s   frames torch.compile has compiled since training started, and the seconds spent in it
+                     (`CompileWatch`); a count that still grows after the first log steps is a recompile
     inflight         batches in flight to a drafter (disaggregated placement)
     wait_<name>_s    seconds spent waiting on <name> per step (e.g. wait_features_s)
     eval_tau, eval_loss   from periodic speculative-decoding evaluation
@@ -326,6 +328,32 @@ class Progress:
         if self._bar is not None:
             self._bar.close()
             self._bar = None
+
+
+class CompileWatch:
+    """torch.compile's work since construction, read from dynamo's process-wide host counters (no device sync):
+    frames compiled and seconds spent in dynamo's `_compile` (tracing, and the graphs Inductor builds for them;
+    a backward graph compiled lazily at the first backward is not in the seconds, only in that step's time).
+
+    `take()` returns (frames, seconds) since construction and the frames compiled since the previous `take`, so a
+    training log can say when compilation happened: in the first steps it is the warm-up; later, a new shape or a
+    guard that failed, i.e. a recompile (issue 10: none after warm-up)."""
+
+    def __init__(self) -> None:
+        self._start_frames, self._start_seconds = self._read()
+        self._taken_frames = 0
+
+    @staticmethod
+    def _read() -> tuple[int, float]:
+        from torch._dynamo.utils import compilation_time_metrics, counters
+
+        return int(counters["frames"]["ok"]), float(sum(compilation_time_metrics.get("_compile.compile_inner", ())))
+
+    def take(self) -> tuple[int, float, int]:
+        frames, seconds = self._read()
+        frames, seconds = frames - self._start_frames, seconds - self._start_seconds
+        new, self._taken_frames = frames - self._taken_frames, frames
+        return frames, seconds, new
 
 
 def allocator_retries(device: torch.device | str) -> int | None:

@@ -67,6 +67,7 @@ from . import checkpoint as ckpt
 from .batch import TrainBatch
 from .data_setup import load_training_data, plan_to_host_batch
 from .metrics import (
+    CompileWatch,
     MetricsLogger,
     Progress,
     Throughput,
@@ -181,6 +182,8 @@ class Trainer:
         self.step = 0
         self.skipped_nonfinite = 0
         self._alloc_retries_warned = False
+        self._compile_watch = CompileWatch()
+        self._compile_logged = False  # the first log step's compilations are the warm-up
         self.stop_agreed = False
         self._pending_flags: StepFlags | None = None
         # The data position of the last trained step, when steps are prepared ahead (see StepWork).
@@ -650,6 +653,15 @@ class Trainer:
                     "steps this close to the memory limit slow down (each retry frees the cache and synchronises); "
                     "set PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True or lower data.token_budget"
                 )
+        frames, compile_s, new_frames = self._compile_watch.take()
+        values["compiles"], values["compile_s"] = frames, compile_s
+        if new_frames and self._compile_logged:
+            self.log(
+                f"note: torch.compile compiled {new_frames} more frame(s) in the steps up to {self.step} "
+                f"({frames} in all, {compile_s:.1f} s in all): a shape or guard not seen before; after the first "
+                "steps that is a recompile (data.seq_multiple / data.anchor_multiple bucket the shapes)"
+            )
+        self._compile_logged = True
         if self._prefetcher is not None and self.window_steps:
             values["wait_prefetch_s"] = (self._prefetcher.wait_s - self._logged_prefetch_wait_s) / self.window_steps
             self._logged_prefetch_wait_s = self._prefetcher.wait_s
