@@ -137,6 +137,22 @@ def test_continuous_batching_equals_generate(name):
         assert decoder.stats.prefills >= 3  # rows were refilled
 
 
+def test_queue_serves_by_priority_then_shortest_prompt_then_push_order():
+    queue = RequestQueue(
+        [
+            Request("long", [1] * 9),
+            Request("short", [1] * 2),
+            Request("chain", [1] * 12, priority=-2),
+            Request("chain-end", [1] * 20, priority=-1),
+            Request("short-too", [1] * 2),
+        ]
+    )
+    assert queue.longest_prompt() == 20
+    assert [r.key for r in queue.pop(2)] == ["chain", "chain-end"]
+    queue.push(Request("late-chain", [1] * 30, priority=-1))  # pushed while serving: still ahead of priority 0
+    assert [r.key for r in queue.pop(10)] == ["late-chain", "short", "short-too", "long"]
+
+
 def test_cache_grows_under_a_running_row():
     """A long follow-up prompt arrives while another row is mid-reply: the cache grows (contents copied) and
     every reply still equals `generate`."""

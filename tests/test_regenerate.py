@@ -169,6 +169,45 @@ def test_prompt_batches_change_nothing(stopping_target, tmp_path, monkeypatch):
     assert pairs.dropped == whole.dropped and whole.dropped["prompt_too_long"] >= 1
 
 
+def test_multi_turn_chains_are_served_before_single_turn_prompts(target, tmp_path, monkeypatch):
+    """Turns of multi-turn conversations (a chain: each waits for the previous reply) go before every single-turn
+    prompt, the longest chain first, so chains do not trail at the end with the rows idle; single-turn prompts
+    keep shortest first. A one-row engine stand-in records the order it serves and answers every turn "w5"."""
+    from dflash_trainer.decoding.batch import Completion
+
+    reply = [*target.tokenizer("w5", add_special_tokens=False)["input_ids"], target.stop_token_ids[0]]
+    served: list[tuple[int, int]] = []
+
+    class OneRow(regen._EngineGenerator):
+        name = "one row"
+
+        def generate(self, queue):
+            while queue:
+                (request,) = queue.pop(1)
+                served.append(request.key)
+                yield Completion(request.key, reply, stopped=True)
+
+    monkeypatch.setattr(regen, "_make_engine", lambda *args, **kwargs: OneRow())
+    three_turns = [
+        {"role": "user", "content": "w1"},
+        {"role": "assistant", "content": "w2"},
+        {"role": "user", "content": "w3"},
+        {"role": "assistant", "content": "w2"},
+        {"role": "user", "content": "w4"},
+    ]
+    records = [*CONVERSATIONS, three_turns]  # 0, 1, 3: one turn; 2 and 4: two turns; 5: three turns
+    summary = regenerate(records, target, tmp_path / "out", max_new_tokens=MAX_NEW_TOKENS, batch_size=1, progress=False)
+    assert summary.records == 6 and summary.responses == 10
+    chains, singles = served[:7], served[7:]
+    assert chains[0] == (5, 0) and sorted(chains) == [(2, 0), (2, 1), (4, 0), (4, 1), (5, 0), (5, 1), (5, 2)]
+    first_prompts = {
+        index: _messages(records[index])[: regen._assistant_slots(_messages(records[index]))[0]] for index in (0, 1, 3)
+    }
+    lengths = {index: len(generation_prompt_ids(target.tokenizer, [p])[0]) for index, p in first_prompts.items()}
+    assert [index for index, _ in singles] == sorted((0, 1, 3), key=lambda index: lengths[index])
+    assert all(turn["content"] == "w5" for turn in _read_output(tmp_path / "out")[5]["messages"][1::2])
+
+
 def test_progress_in_a_log_is_not_redrawn_per_reply(stopping_target, tmp_path, capsys):
     """stderr is not a terminal here (captured, as in a log file): the bar draws its start and end, not a line per
     reply (the GPU main job's log held 50K regeneration lines)."""

@@ -1,6 +1,6 @@
 """Continuous batching: a fixed number of cache rows decode one token per step; finished rows take new prompts.
 
-    queue (shortest prompt first) --refill: batched prefill of newcomers--> rows --decode steps--> completions
+    queue (priority, then shortest prompt) --refill: batched prefill of newcomers--> rows --decode steps--> completions
 
 - Rows. `rows` cache rows of `max_len` positions. A row holds one request: its prompt from position 0, then one
   new token per step. Rows decode independently (own position, own seed); a finished row is frozen (the step
@@ -12,9 +12,9 @@
 - Host syncs: one per `sync_every` steps, reading the `[rows]` active flags; rows that finished are then read
   back (their tokens) and handed out as `Completion`s. A row that finishes mid-interval idles for the rest of it
   (at most `sync_every - 1` steps of one row).
-- Refill. When at least `refill_min` rows are free (or the waiting requests fit in the free rows), the waiting
-  requests with the shortest prompts are prefilled together (right-padded, in chunks of at most
-  `prefill_tokens` tokens), their first token chosen, and their rows armed. Prefill runs eagerly: prompts vary.
+- Refill. When at least `refill_min` rows are free (or the waiting requests fit in the free rows), the requests
+  first in the queue's order (priority, then shortest prompt) are prefilled together (right-padded, in chunks of at
+  most `prefill_tokens` tokens), their first token chosen, and their rows armed. Prefill runs eagerly: prompts vary.
   An eager prefill forward costs tens of milliseconds of host work whatever its size (SmolLM2-135M on an H200:
   97 ms per refill of ~5K tokens at rows // 16, 67 ms per ~8K at rows // 8; benchmarks/BENCHMARKS.md), so the
   default `refill_min` (rows // 8) waits for a larger group of free rows: fewer, larger prefills at the price of
@@ -59,6 +59,10 @@ class Request:
     key: Hashable
     prompt: list[int]
     seed: int = 0
+    # Served before requests of a larger priority (ties: shortest prompt first). A caller whose requests depend on
+    # each other (a conversation's next turn waits for its previous one) puts those chains first, so they finish
+    # while independent requests keep the rows full instead of trailing at the end at low occupancy.
+    priority: int = 0
 
 
 @dataclass
@@ -69,10 +73,10 @@ class Completion:
 
 
 class RequestQueue:
-    """Requests waiting for a row, served shortest prompt first (ties in push order)."""
+    """Requests waiting for a row, served by `priority`, then shortest prompt first (ties in push order)."""
 
     def __init__(self, requests: Sequence[Request] = ()) -> None:
-        self._heap: list[tuple[int, int, Request]] = []
+        self._heap: list[tuple[int, int, int, Request]] = []
         self._order = itertools.count()
         for request in requests:
             self.push(request)
@@ -80,13 +84,13 @@ class RequestQueue:
     def push(self, request: Request) -> None:
         if not request.prompt:
             raise ValueError(f"request {request.key!r}: empty prompt")
-        heapq.heappush(self._heap, (len(request.prompt), next(self._order), request))
+        heapq.heappush(self._heap, (request.priority, len(request.prompt), next(self._order), request))
 
     def longest_prompt(self) -> int:
-        return max((length for length, _, _ in self._heap), default=0)
+        return max((length for _, length, _, _ in self._heap), default=0)
 
     def pop(self, count: int) -> list[Request]:
-        return [heapq.heappop(self._heap)[2] for _ in range(min(count, len(self._heap)))]
+        return [heapq.heappop(self._heap)[-1] for _ in range(min(count, len(self._heap)))]
 
     def __len__(self) -> int:
         return len(self._heap)
