@@ -30,7 +30,7 @@
 # 48,000 of `mix-math:train`) from `.mix/mix-math-48k.jsonl.gz`, written here by
 #   python -m dflash_trainer.data.prompts mix-math --export .mix/mix-math-48k.jsonl.gz --limit 48000
 set -u
-STAGE=${1:?usage: gpu_session.sh start|smoke|main|wait S|collect|disagg|hybrid}
+STAGE=${1:?usage: gpu_session.sh start|smoke|bench|main|wait S|collect|disagg|hybrid}
 REPO=/tmp/repo             # a copy of the tree: the main job's runs/ and data/ live here, as for a user
 REPO2=/tmp/repo2           # the candidate's copy
 # The prompts: the first 48,000 of `mix-math`; or its first 96,000 (`PROMPTS=/tmp/mix-math-96k.jsonl.gz`, carry `.mix96`
@@ -102,8 +102,9 @@ case "$STAGE" in
   bench)
     # The benchmarks alone, in the background on GPU 0 (one-GPU machine: measure first, then choose the main job's
     # overrides from the numbers); BENCH_FIRST names the settings (smollm2, paper or both).
+    : "${BENCH_FIRST:?BENCH_FIRST names the settings: smollm2, paper or both}"
     bg bench "cd $REPO && export PYTHONPATH=$REPO/src:$SITE OMP_NUM_THREADS=8 FLEX_FLAGS='${FLEX_FLAGS:-}' && $(bench_on 0) true"
-    echo "started: benchmarks (${BENCH_FIRST:?BENCH_FIRST names the settings}) on GPU 0"
+    echo "started: benchmarks ($BENCH_FIRST) on GPU 0"
     ;;
   wait)
     deadline=$((SECONDS + ${2:-540}))
@@ -150,7 +151,7 @@ case "$STAGE" in
     done
     # The rest of $RES (sweep logs and summary, hybrid JSON, start/end stamps); the job logs are above.
     tar czf "$OUT/results.tgz" --exclude='./main.log' --exclude='./candidate.log' --exclude='./sweep.log' \
-      --exclude='./hybrid.log' -C "$RES" .
+      --exclude='./bench.log' --exclude='./hybrid.log' -C "$RES" .
     ls -la "$OUT"
     ;;
   smoke)

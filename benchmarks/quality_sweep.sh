@@ -44,26 +44,22 @@ done
 # Many epochs: `train.max_steps` ends every run at the same step, also on the 1K-prompt data.
 COMMON=(run_dir=PLACEHOLDER "train.max_steps=$STEPS" train.epochs=1000 eval.every_steps=0 "eval.datasets=[gsm8k]" eval.num_prompts=24
   checkpoint.every_steps=100000 metrics.plot_at_end=false metrics.progress_bar=false)
-# name | overrides (space separated). In the order the next device session needs them: the base row first (every
-# other row is read against it), then the rows issue 9 asks for (label source, anchors per document, data size,
-# noise), then FP8 (issue 10 asks for its effect on tau), then slot weights (gamma 7 is the paper's for drafters
-# accepting ~6 tokens; at tau ~2.7 slots past 5 rarely count, and gamma 4 or D-PACE put the loss where acceptance
-# happens).
+# name | overrides (space separated), each row against the base row, i.e. the recipe as it is now: 64 anchors per
+# document and D-PACE slot weights since 2026-12-01 (EXPERIMENTS.md #11). The rows of #10 were measured against the
+# recipe before (512 anchors, exponential weights with gamma 7); `anchors-512-exp` is that base, so the two sweeps
+# can be read side by side.
 VARIANTS=(
   "base|data.train_shards=$SHARDS"
   "labels-soft|data.train_shards=$SHARDS loss.label_source=soft"
-  "anchors-64|data.train_shards=$SHARDS data.max_anchors=64"
   "prompts-10k|data.train_shards=$WORK/data-10000"
   "prompts-1k|data.train_shards=$WORK/data-1000"
   "noise-uniform-0.1|data.train_shards=$SHARDS noise.type=uniform noise.start=0.1 noise.end=0.0"
   "fp8-target|data.train_shards=$SHARDS target.fp8=true"
-  "gamma-4|data.train_shards=$SHARDS loss.gamma=4"
-  "dpace|data.train_shards=$SHARDS loss.weighting=dpace"
-  # After 2026-12-01 (EXPERIMENTS.md #10): fewer anchors and D-PACE together, fewer anchors still, and 64 anchors at
-  # the base's wall time (twice the steps at half the step).
-  "anchors-64-dpace|data.train_shards=$SHARDS data.max_anchors=64 loss.weighting=dpace"
+  "exp-weights|data.train_shards=$SHARDS loss.weighting=exp"
+  "anchors-512-exp|data.train_shards=$SHARDS data.max_anchors=512 loss.weighting=exp"
   "anchors-32|data.train_shards=$SHARDS data.max_anchors=32"
-  "anchors-64-equal-time|data.train_shards=$SHARDS data.max_anchors=64 train.max_steps=$((2 * STEPS))"
+  "anchors-128|data.train_shards=$SHARDS data.max_anchors=128"
+  "anchors-32-equal-time|data.train_shards=$SHARDS data.max_anchors=32 train.max_steps=$((2 * STEPS))"
   # Batches balanced by anchor count (on since 2026-12-01) make a slot of a small batch weigh a little more in the
   # per-step mean loss; the base row against this one says whether tau notices.
   "unbalanced|data.train_shards=$SHARDS data.balance_anchors=false"

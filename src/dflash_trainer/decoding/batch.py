@@ -254,7 +254,9 @@ class BatchDecoder:
         if not queue or len(free) < min(self.refill_min, len(queue), self.rows):
             return
         start = synchronized_time(self.device)
-        newcomers = queue.pop(len(free))
+        # The queue's order picks who comes in; rows are interchangeable, so chunk them by length (prefill pads a
+        # chunk to its longest prompt: newcomers of several priorities would otherwise mix short and long).
+        newcomers = sorted(queue.pop(len(free)), key=lambda request: len(request.prompt))
         chunk_rows: list[int] = []
         chunk: list[Request] = []
         for row, request in zip(free, newcomers, strict=False):

@@ -9,17 +9,18 @@ prompt) gets a generated final assistant turn.
 Generation. The decoding engine (`dflash_trainer.decoding`): continuous batching over `batch_size` cache rows
 (static KV cache, CUDA-graphed decode steps on a GPU), a conversation's next turn queued as soon as its previous
 turn is done. Waiting prompts are served shortest first, except that the turns of multi-turn conversations come
-before every single-turn prompt (the longest chains first): a chain of k turns needs k replies one after another,
+before every single-turn prompt (most turns left first): a chain of k turns needs k replies one after another,
 and served last, as their growing prompts were, chains run in waves at the end with rows idle. For the GPU main
-job's 48K prompts (1,882 conversations of 2 to 8 turns) on 1,024 rows a turn-level model counts 6,576 -> 6,199
-decode steps, rows busy 87 -> 92 % (`benchmarks/regen_schedule_sim.py`; not yet measured on a GPU).
+job's 48K prompts (1,882 conversations of 2 to 8 turns) on 1,024 rows a turn-level model counts 8-12 % fewer decode
+steps (rows busy 82-85 -> 92 %) and 1-4 % less attended context (`benchmarks/regen_schedule_sim.py`, two seeds);
+not yet measured on a GPU.
 Other engines, same prompts and output format:
 - `vllm`, chosen by `auto` when vLLM is installed and the target is a local directory on a GPU. This path has
   never been run by this project (vLLM is not installed where we test): treat it as untested;
-- `hf`, transformers `generate` in length-sorted batches of `batch_size`: the fallback `auto` picks for targets
-  the engine does not support (layouts it has not been checked against; Qwen3.5/3.6 linear-attention hybrids
-  run on the engine, `decoding/recurrent.py`). With sampling its draws depend on
-  the batch a prompt lands in, so an interrupted sampled run does not reproduce an uninterrupted one there.
+- `hf`, transformers `generate` in batches of `batch_size` in the queue's order (chains first, then by length):
+  the fallback `auto` picks for targets the engine does not support (layouts it has not been checked against;
+  Qwen3.5/3.6 linear-attention hybrids run on the engine, `decoding/recurrent.py`). With sampling its draws depend
+  on the batch a prompt lands in, so an interrupted sampled run does not reproduce an uninterrupted one there.
 With the engine, greedy replies equal transformers' `generate` and sampled ones depend only on (`seed`,
 record, turn, token index) (`decoding/sampling.py`), so a resumed run writes what an uninterrupted one would.
 
@@ -334,7 +335,7 @@ class _Job:
             self._drop(index, "prompt_too_long")
             return
         turns = len(_assistant_slots(self.working[index]))
-        # Single-turn prompts (priority 1) after every turn of a multi-turn conversation, longest chains first
+        # Single-turn prompts (priority 1) after every turn of a multi-turn conversation, most turns left first
         # (priority -turns left, this one included): see the module docstring.
         priority = 1 if turns == 1 else -(turns - turn)
         queue.push(

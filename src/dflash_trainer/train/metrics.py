@@ -13,7 +13,8 @@ converting device counters happens once per log step, the one place the hot loop
     step_time_s      seconds per optimizer step, peak_mem_gib
     alloc_retries    CUDA caching allocator retries so far (near the memory limit; GPU only)
     compiles, compile_s   frames torch.compile has compiled since training started, and the seconds spent in it
-                     (`CompileWatch`); a count that still grows after the first log steps is a recompile
+                     (`CompileWatch`; summed over a data-parallel group); a count that still grows after the first
+                     log step is a recompile
     inflight         batches in flight to a drafter (disaggregated placement)
     wait_<name>_s    seconds spent waiting on <name> per step (e.g. wait_features_s)
     eval_tau, eval_loss   from periodic speculative-decoding evaluation
@@ -351,8 +352,9 @@ class CompileWatch:
 
     def take(self) -> tuple[int, float, int]:
         frames, seconds = self._read()
-        frames, seconds = frames - self._start_frames, seconds - self._start_seconds
-        new, self._taken_frames = frames - self._taken_frames, frames
+        # Clamped: torch._dynamo.reset() (tests call it) clears the counters under a running watch.
+        frames, seconds = max(0, frames - self._start_frames), max(0.0, seconds - self._start_seconds)
+        new, self._taken_frames = max(0, frames - self._taken_frames), frames
         return frames, seconds, new
 
 

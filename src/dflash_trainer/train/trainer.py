@@ -614,14 +614,16 @@ class Trainer:
         window = self.throughput.take()
         metrics = self.window_metrics
         tokens, blocks = window.tokens, self.window_blocks
+        # Compilations of every rank: a recompile on one rank stalls the whole group.
+        frames, compile_s, new_frames = self._compile_watch.take()
         if self.group_size > 1:
             # Sum/total pairs and counts from every rank in one collective.
-            flat = torch.cat(
-                [metrics.to_tensor(), torch.tensor([tokens, blocks], dtype=torch.float64, device=self.device)]
-            )
+            counts = [tokens, blocks, frames, compile_s, new_frames]
+            flat = torch.cat([metrics.to_tensor(), torch.tensor(counts, dtype=torch.float64, device=self.device)])
             dist.all_reduce(flat, group=self.group)
-            metrics = LossMetrics.from_tensor(flat[:-2])
-            tokens, blocks = int(flat[-2]), int(flat[-1])
+            metrics = LossMetrics.from_tensor(flat[: -len(counts)])
+            tokens, blocks, frames, new_frames = (int(value) for value in flat[[-5, -4, -3, -1]].tolist())
+            compile_s = float(flat[-2])
         # Sync (log steps only): device counters become host numbers here and nowhere else.
         acc_per_slot = metrics.slot_accuracy()[1:].tolist()
         values = {
@@ -653,13 +655,12 @@ class Trainer:
                     "steps this close to the memory limit slow down (each retry frees the cache and synchronises); "
                     "set PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True or lower data.token_budget"
                 )
-        frames, compile_s, new_frames = self._compile_watch.take()
         values["compiles"], values["compile_s"] = frames, compile_s
         if new_frames and self._compile_logged:
             self.log(
                 f"note: torch.compile compiled {new_frames} more frame(s) in the steps up to {self.step} "
-                f"({frames} in all, {compile_s:.1f} s in all): a shape or guard not seen before; after the first "
-                "steps that is a recompile (data.seq_multiple / data.anchor_multiple bucket the shapes)"
+                f"({frames} in all, {compile_s:.1f} s in all, summed over ranks): a shape or guard not seen before; "
+                "after the first steps that is a recompile (data.seq_multiple / data.anchor_multiple bucket the shapes)"
             )
         self._compile_logged = True
         if self._prefetcher is not None and self.window_steps:
