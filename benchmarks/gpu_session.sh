@@ -51,9 +51,11 @@ bg() {  # name, command...: run in its own session, surviving this call; exit st
 }
 
 # The speed benchmarks of BENCH_FIRST on GPU $1: flex attention's masks and tiles (FLEX_FLAGS: one run per entry,
-# ';'-separated), then the training step with the kernel profile and the ablations of the changes not yet measured.
+# ';'-separated; by default at the recipe's density of 64 anchors per document: default kernels, dynamic shapes as
+# in training, tiles of 128 and 64 autotuned), then the training step with the kernel profile and the ablations of
+# the changes not yet measured.
 bench_on() {
-  echo "IFS=';'; for flag in \${FLEX_FLAGS:-;--dynamic;--tiles 128,64 --max-autotune}; do unset IFS; \
+  echo "IFS=';'; for flag in \${FLEX_FLAGS:---anchors-per-doc 64;--anchors-per-doc 64 --dynamic;--anchors-per-doc 64 --tiles 128,64 --max-autotune}; do unset IFS; \
       CUDA_VISIBLE_DEVICES=$1 timeout 300 python3 benchmarks/flex_mask_bench.py \$flag; done > $RES/flex_mask_bench.log 2>&1; \
     CUDA_VISIBLE_DEVICES=$1 OUT=$RES/train_bench KERNELS=25 ABLATIONS=${BENCH_ABLATIONS:-new} STEPS=6 WARMUP=3 \
       RUN_TIMEOUT=600 SETTINGS=$BENCH_FIRST timeout 1300 bash benchmarks/train_bench.sh > $RES/train_bench.log 2>&1;"
