@@ -622,8 +622,8 @@ class Trainer:
             flat = torch.cat([metrics.to_tensor(), torch.tensor(counts, dtype=torch.float64, device=self.device)])
             dist.all_reduce(flat, group=self.group)
             metrics = LossMetrics.from_tensor(flat[: -len(counts)])
-            tokens, blocks, frames, new_frames = (int(value) for value in flat[[-5, -4, -3, -1]].tolist())
-            compile_s = float(flat[-2])
+            tokens, blocks, frames, compile_s, new_frames = flat[-len(counts) :].tolist()
+            tokens, blocks, frames, new_frames = int(tokens), int(blocks), int(frames), int(new_frames)
         # Sync (log steps only): device counters become host numbers here and nowhere else.
         acc_per_slot = metrics.slot_accuracy()[1:].tolist()
         values = {
@@ -645,24 +645,8 @@ class Trainer:
             values["mfu"] = mfu(values["tokens_per_s"], flops, peak * self.world.world_size)
         if self.skipped_nonfinite:
             values["skipped_steps"] = self.skipped_nonfinite
-        retries = allocator_retries(self.device)
-        if retries is not None:
-            values["alloc_retries"] = retries
-            if retries and not self._alloc_retries_warned:
-                self._alloc_retries_warned = True
-                self.log(
-                    f"warning: the CUDA caching allocator retried {retries} allocation(s) on {self.rank_label()}: "
-                    "steps this close to the memory limit slow down (each retry frees the cache and synchronises); "
-                    "set PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True or lower data.token_budget"
-                )
         values["compiles"], values["compile_s"] = frames, compile_s
-        if new_frames and self._compile_logged:
-            self.log(
-                f"note: torch.compile compiled {new_frames} more frame(s) in the steps up to {self.step} "
-                f"({frames} in all, {compile_s:.1f} s in all, summed over ranks): a shape or guard not seen before; "
-                "after the first steps that is a recompile (data.seq_multiple / data.anchor_multiple bucket the shapes)"
-            )
-        self._compile_logged = True
+        values.update(self._slow_path_notes(frames=frames, compile_s=compile_s, new_frames=new_frames))
         if self._prefetcher is not None and self.window_steps:
             values["wait_prefetch_s"] = (self._prefetcher.wait_s - self._logged_prefetch_wait_s) / self.window_steps
             self._logged_prefetch_wait_s = self._prefetcher.wait_s
@@ -675,6 +659,29 @@ class Trainer:
             self.progress.write(format_console_line(self.step, self.total_steps, values))
         self.rank_report.on_log_step(self.step, self._received_profiles(), last=self.step == self.total_steps)
         self._reset_window_counters()
+        return values
+
+    def _slow_path_notes(self, *, frames: int, compile_s: float, new_frames: int) -> dict[str, int]:
+        """Say so, in the log, when steps took a slow path: the caching allocator's first retry (a warning, once),
+        and frames compiled after the first log step (a recompile, each time). Returns `alloc_retries` on CUDA."""
+        values = {}
+        retries = allocator_retries(self.device)
+        if retries is not None:
+            values["alloc_retries"] = retries
+            if retries and not self._alloc_retries_warned:
+                self._alloc_retries_warned = True
+                self.log(
+                    f"warning: the CUDA caching allocator retried {retries} allocation(s) on {self.rank_label()}: "
+                    "steps this close to the memory limit slow down (each retry frees the cache and synchronises); "
+                    "set PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True or lower data.token_budget"
+                )
+        if new_frames and self._compile_logged:
+            self.log(
+                f"note: torch.compile compiled {new_frames} more frame(s) in the steps up to {self.step} "
+                f"({frames} in all, {compile_s:.1f} s in all, summed over ranks): a shape or guard not seen before; "
+                "after the first steps that is a recompile (data.seq_multiple / data.anchor_multiple bucket the shapes)"
+            )
+        self._compile_logged = True
         return values
 
     def _epoch_progress(self) -> float:
