@@ -17,13 +17,5 @@ timeout 240 python3 -m dflash_trainer bench recipes/bench-qwen3-8b.yaml --steps 
   --out "$OUT/ours.json" 2>&1 | grep -v "Loading weights" | tee "$OUT/ours.log" | tail -8
 
 echo "=== peer: speculators 0.9.0 (same setting)"
-if [ -d .peer/whl ]; then
-  SITE=/tmp/peer_site
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" .peer/whl/*.whl
-  (cd .peer && PYTHONPATH=$SITE timeout 200 python3 bench_speculators.py --num-layers 5 --block-size 16 \
-    --target-layer-ids 1,9,17,25,33 --attn simple_flex_attention --full-attention --loss-fn ce --loss-impl fused \
-    --per-position-loss-weight fixed-exp-decay --gamma 7 --optimizer adamw --lr 6e-4 --total-seq-len 8192 \
-    --doc-lens 3072,3072,2048 --max-anchors 1365 --warmup 4 --steps 10 --e2e-steps 6 --time-budget 180 \
-    --tag packed8192_paper --workdir /tmp/pb_work --out "$OUT/peer.json" 2>&1 | tail -15 | tee "$OUT/peer.log")
-fi
+OUT=$OUT bash benchmarks/peer_bench.sh
 ls -la "$OUT"

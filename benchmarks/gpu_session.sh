@@ -50,15 +50,33 @@ bg() {  # name, command...: run in its own session, surviving this call; exit st
   setsid bash -c "{ $*; } > $RES/$name.log 2>&1; echo \$? > $RES/$name.rc" < /dev/null > /dev/null 2>&1 &
 }
 
-# The speed benchmarks of BENCH_FIRST on GPU $1: flex attention's masks and tiles (FLEX_FLAGS: one run per entry,
-# ';'-separated; by default at the recipe's density of 64 anchors per document: default kernels, dynamic shapes as
-# in training, tiles of 128 and 64 autotuned), then the training step with the kernel profile and the ablations of
-# the changes not yet measured.
+# The speed benchmarks of BENCH_FIRST on GPU $1 ("paper", "smollm2" or both, comma-separated, in that order):
+# with SMOKE_FIRST=1 the GPU smoke tests first; per setting the training step with the kernel profile and the
+# ablations of the changes not yet measured, and after the paper setting the peer in the same setting when .peer
+# was carried (benchmarks/peer_bench.sh); last, flex attention's masks and tiles (FLEX_FLAGS: one run per entry,
+# ';'-separated, "none" for no run; by default at the recipe's density of 64 anchors per document: default
+# kernels, dynamic shapes as in training, tiles of 128 and 64 autotuned).
 bench_on() {
-  echo "IFS=';'; for flag in \${FLEX_FLAGS:---anchors-per-doc 64;--anchors-per-doc 64 --dynamic;--anchors-per-doc 64 --tiles 128,64 --max-autotune}; do unset IFS; \
-      CUDA_VISIBLE_DEVICES=$1 timeout 300 python3 benchmarks/flex_mask_bench.py \$flag; done > $RES/flex_mask_bench.log 2>&1; \
-    CUDA_VISIBLE_DEVICES=$1 OUT=$RES/train_bench KERNELS=25 ABLATIONS=${BENCH_ABLATIONS:-new} STEPS=6 WARMUP=3 \
-      RUN_TIMEOUT=600 SETTINGS=$BENCH_FIRST timeout 1300 bash benchmarks/train_bench.sh > $RES/train_bench.log 2>&1;"
+  local smoke="" settings=${BENCH_FIRST//,/ } chain=""
+  if [ "${SMOKE_FIRST:-0}" = 1 ]; then
+    smoke="CUDA_VISIBLE_DEVICES=$1 $(smoke_command) > $RES/smoke.log 2>&1;"
+  fi
+  for setting in $settings; do
+    chain+="CUDA_VISIBLE_DEVICES=$1 OUT=$RES/train_bench KERNELS=25 ABLATIONS=${BENCH_ABLATIONS:-new} STEPS=6 WARMUP=3 \
+      RUN_TIMEOUT=600 SETTINGS=$setting timeout 1300 bash benchmarks/train_bench.sh > $RES/train_bench-$setting.log 2>&1;"
+    if [ "$setting" = paper ] && [ -d "$REPO/.peer/whl" ]; then
+      chain+="CUDA_VISIBLE_DEVICES=$1 OUT=$RES/peer bash benchmarks/peer_bench.sh > $RES/peer_bench.log 2>&1;"
+    fi
+  done
+  echo "$smoke $chain IFS=';'; for flag in \${FLEX_FLAGS:---anchors-per-doc 64;--anchors-per-doc 64 --dynamic;--anchors-per-doc 64 --tiles 128,64 --max-autotune}; do unset IFS; \
+      [ \"\$flag\" = none ] || CUDA_VISIBLE_DEVICES=$1 timeout 300 python3 benchmarks/flex_mask_bench.py \$flag; done > $RES/flex_mask_bench.log 2>&1;"
+}
+
+# The training path's GPU tests (drafter masks and tiles, loss, fit loop, the target's packed rows and compiled
+# layers; ~2 min), from $REPO.
+smoke_command() {
+  echo "PYTHONPATH=$REPO/src:$SITE timeout 300 python3 -m pytest -q -x -m gpu -p no:cacheprovider \
+    tests/test_gpu.py tests/test_packed_target_gpu.py -k 'not hybrid'"
 }
 
 case "$STAGE" in
@@ -105,6 +123,7 @@ case "$STAGE" in
     # The benchmarks alone, in the background on GPU 0 (one-GPU machine: measure first, then choose the main job's
     # overrides from the numbers); BENCH_FIRST names the settings (smollm2, paper or both).
     : "${BENCH_FIRST:?BENCH_FIRST names the settings: smollm2, paper or both}"
+    if [ -d .peer/whl ]; then rm -rf "$REPO/.peer" && cp -r .peer "$REPO/"; fi
     bg bench "cd $REPO && export PYTHONPATH=$REPO/src:$SITE OMP_NUM_THREADS=8 FLEX_FLAGS='${FLEX_FLAGS:-}' && $(bench_on 0) true"
     echo "started: benchmarks ($BENCH_FIRST) on GPU 0"
     ;;
@@ -123,6 +142,9 @@ case "$STAGE" in
         state=running
         [ -f "$RES/$job.rc" ] && state="exit $(cat "$RES/$job.rc")"
         echo "$job ($state): $(tr '\r' '\n' < "$RES/$job.log" | grep -v '^\s*$' | tail -n 1 | cut -c1-220)"
+      done
+      for log in "$RES"/smoke.log "$RES"/train_bench-*.log "$RES"/peer_bench.log "$RES"/peer/peer.log; do
+        [ -s "$log" ] && echo "$(basename "$log"): $(tr '\r' '\n' < "$log" | grep -v '^\s*$' | tail -n 1 | cut -c1-200)"
       done
       nvidia-smi --query-gpu=index,utilization.gpu,memory.used --format=csv,noheader | tr '\n' ' '
       echo
@@ -157,8 +179,7 @@ case "$STAGE" in
     ls -la "$OUT"
     ;;
   smoke)
-    cd "$REPO" && PYTHONPATH=$REPO/src:$SITE timeout 300 python3 -m pytest -q -x -m gpu -p no:cacheprovider \
-      tests/test_gpu.py tests/test_packed_target_gpu.py -k "not hybrid" 2>&1 | tail -15
+    cd "$REPO" && eval "$(smoke_command)" 2>&1 | tail -15
     ;;
   disagg)
     # In the foreground (about 6 minutes for both settings); its JSON lands in $RES, packed by `collect` (a call

@@ -27,8 +27,15 @@ NEW_ABLATIONS=(
   --ablation "autotune:drafter.compile_mode=max-autotune-no-cudagraphs"
   --ablation "tile64:drafter.flex_tile=64,drafter.compile_mode=max-autotune-no-cudagraphs"
 )
+# The paper setting's target forward (267 ms, 54 % MFU on 2026-11-30, eager HF layers) compiled and in FP8.
+NEW_PAPER_ABLATIONS=(
+  --ablation "target_compiled:target.compile=true"
+  --ablation "fp8_target:target.fp8=true"
+  --ablation "fp8_compiled:target.fp8=true,target.compile=true"
+)
 if [ "${ABLATIONS:-1}" = new ]; then
   SMOLLM2_ABLATIONS=("${NEW_ABLATIONS[@]}")
+  PAPER_ABLATIONS=("${NEW_PAPER_ABLATIONS[@]}")
 elif [ "${ABLATIONS:-1}" != 0 ]; then
   SMOLLM2_ABLATIONS=("${NEW_ABLATIONS[@]}"
 
@@ -39,7 +46,7 @@ elif [ "${ABLATIONS:-1}" != 0 ]; then
     --ablation "no_buckets:data.seq_multiple=1,data.anchor_multiple=1"
     --ablation "cuda_graphs:drafter.compile_mode=reduce-overhead"
   )
-  PAPER_ABLATIONS=(
+  PAPER_ABLATIONS=("${NEW_PAPER_ABLATIONS[@]}"
     --ablation "mask_mod_builder:drafter.mask_builder=mask_mod"
     --ablation "eager_loss:loss.compile=false"
   )

@@ -15,6 +15,7 @@ Phases, each through the trainer's own step (`Trainer._optimizer_step`):
   worker, non-blocking copies), target forward included;
 - one end_to_end phase per `--ablation NAME:key=value,...`: a new trainer with those overrides (same target), so
   the effect of each optimisation is measured in the same call.
+Every phase starts from a reset dynamo state (`fresh_compile_state`): it compiles its own code, cold in-process.
 
 Per phase: median step time, target tokens/s, MFU, peak memory, the first step's time (compilation), the number
 of dynamo compilations after warm-up (any is a recompile), and the per-stage profile of a few more steps run with
@@ -245,6 +246,21 @@ def time_steps(
     )
 
 
+def fresh_compile_state() -> None:
+    """Each phase compiles from scratch, as a new run would (Inductor's on-disk cache still serves kernels it
+    has built), so its first step is comparable across phases and no phase runs code compiled for another.
+    Why: on 2026-12-01 a second trainer in one bench process recompiled the shared layer code with every GEMM
+    and flex kernel autotuned, which a default compile never does; the flags printed here say which compile
+    mode Inductor's global config held when the phase started."""
+    torch._dynamo.reset()
+    from torch._inductor import config as inductor_config
+
+    print(
+        f"bench: compile state reset; inductor max_autotune={inductor_config.max_autotune} "
+        f"max_autotune_gemm={inductor_config.max_autotune_gemm}"
+    )
+
+
 def bench_config(recipe: Path | None, overrides: list[str], shards: Path, run_dir: Path) -> RunConfig:
     defaults = [
         f"data.train_shards={shards}",
@@ -304,6 +320,7 @@ def run_bench(
         results = []
         for index, (name, extra) in enumerate([("", []), *parsed]):
             config = bench_config(recipe, [*overrides, *extra], shards, Path(tmp) / f"run{index}")
+            fresh_compile_state()
             trainer = Trainer(config, target=target, log=print)
             trainer.start_log_window()
             if index == 0:
@@ -328,6 +345,7 @@ def run_bench(
                         trace_path=trace_dir / "drafter_only.json" if trace_dir else None,
                     )
                 )
+                fresh_compile_state()
                 trainer = Trainer(config, target=target, log=print)
                 trainer.start_log_window()
             phase = "end_to_end" + (f"[{name}]" if name else "")

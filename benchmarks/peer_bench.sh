@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# The peer (speculators 0.9.0, shared/peer-bench) in the paper setting of recipes/bench-qwen3-8b.yaml, on this GPU:
+# packed 8192-token rows of documents 3072 + 3072 + 2048, 1365 anchors per row, 5 layers, block 16, taps
+# [1, 9, 17, 25, 33], CE against the verifier's argmax with exp decay gamma 7, AdamW lr 6e-4, flex attention.
+# Usage on the GPU machine, from the repo root, with .peer/ = shared/peer-bench plus its wheels
+# (bash .peer/get-wheels.sh .peer/whl) carried:  OUT=... bash benchmarks/peer_bench.sh   -> $OUT/peer.json, peer.log
+set -u
+OUT=${OUT:-/tmp/peer_out}
+mkdir -p "$OUT"
+if [ ! -d .peer/whl ]; then
+  echo "peer_bench: .peer/whl is missing (copy shared/peer-bench to .peer and run its get-wheels.sh whl)" >&2
+  exit 2
+fi
+SITE=/tmp/peer_site
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" .peer/whl/*.whl
+cd .peer && PYTHONPATH=$SITE PYTHONUNBUFFERED=1 timeout "${PEER_TIMEOUT:-300}" python3 bench_speculators.py \
+  --num-layers 5 --block-size 16 --target-layer-ids 1,9,17,25,33 --attn simple_flex_attention --full-attention \
+  --loss-fn ce --loss-impl fused --per-position-loss-weight fixed-exp-decay --gamma 7 --optimizer adamw --lr 6e-4 \
+  --total-seq-len 8192 --doc-lens 3072,3072,2048 --max-anchors 1365 --warmup "${PEER_WARMUP:-4}" \
+  --steps "${PEER_STEPS:-10}" --e2e-steps "${PEER_E2E_STEPS:-6}" --profile-steps 2 --time-budget "${PEER_BUDGET:-240}" \
+  --tag packed8192_paper --workdir /tmp/pb_work --out "$OUT/peer.json" 2>&1 \
+  | grep --line-buffered -v "Loading from local directory\|safetensors.index.json" > "$OUT/peer.log"
+tail -n 15 "$OUT/peer.log"
