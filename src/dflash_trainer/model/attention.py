@@ -47,6 +47,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from ..compiling import compile_dynamic
 from ..flex import TILE, compiled_flex_attention, ordered_tiles
 
 Backend = Literal["flex", "sdpa"]
@@ -140,7 +141,7 @@ def dense_mask(mask_mod: MaskMod, *, rows: int, q_len: int, kv_len: int, device:
 def _compiled_create_block_mask() -> Callable:
     from torch.nn.attention.flex_attention import create_block_mask
 
-    return torch.compile(create_block_mask, dynamic=True)
+    return compile_dynamic(create_block_mask)
 
 
 def block_mask(mask_mod: MaskMod, *, rows: int, q_len: int, kv_len: int, device: torch.device, tile: int = TILE):

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding
 
+from ..compiling import keep_sizes_apart
 from .attention import Backend, DrafterMasks, MaskVariant, attend
 from .config import DrafterModelConfig
 
@@ -247,6 +248,7 @@ class DFlashDrafter(nn.Module):
         call: one compile, no recompile per new shape. The layers share one code object and read no per-layer
         value on the training path, so they also share the compiled code. The two norms outside the layers are
         compiled too: eager, the final one makes seven float32 passes over every block position."""
+        keep_sizes_apart()  # the first batch's coincident sizes must not become guards (compiling.py)
         for layer in self.layers:
             layer.compile(dynamic=True, mode=mode)
         for norm in (self.hidden_norm, self.norm):

@@ -48,6 +48,7 @@ import torch
 from torch import Tensor, nn
 from transformers import PreTrainedModel
 
+from ..compiling import compile_dynamic
 from ..model.loss import greedy_next_tokens
 from .attention import BACKENDS, PackedAttention, documents_attention_implementation, layer_windows, resolve_backend
 from .documents import DocumentLayout
@@ -293,4 +294,4 @@ class FeatureCapture:
 
 def compile_layer_forward(forward: Callable) -> Callable:
     """A decoder layer class's `forward`, compiled with dynamic sizes (rows and row lengths change per batch)."""
-    return torch.compile(forward, dynamic=True)
+    return compile_dynamic(forward)

@@ -31,6 +31,8 @@ from functools import cache
 import torch
 from torch import Tensor, nn
 
+from ..compiling import compile_dynamic
+
 E4M3 = torch.float8_e4m3fn
 E4M3_MAX = torch.finfo(E4M3).max  # 448
 # Children never quantised: routers pick experts by argmax.
@@ -50,7 +52,7 @@ def quantize_rowwise(values: Tensor) -> tuple[Tensor, Tensor]:
 @cache
 def _compiled_quantize_rowwise() -> Callable[[Tensor], tuple[Tensor, Tensor]]:
     # Eager runs five passes over the activations (abs, amax, cast, divide, cast); compiled, two.
-    return torch.compile(quantize_rowwise, dynamic=True)
+    return compile_dynamic(quantize_rowwise)
 
 
 class Fp8Linear(nn.Module):
