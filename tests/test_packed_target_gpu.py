@@ -102,8 +102,14 @@ def test_gpu_backends_give_the_dense_sdpa_features(backend, size, sliding):
 
 @pytest.mark.parametrize("backend", ["varlen", "flex"])
 def test_gpu_compiled_target_layers_give_the_eager_features_without_recompiling(backend):
-    """`target.compile`: the layers compiled by Inductor give the eager layers' features (bf16 rounding apart), for
-    packed rows of two shapes and plain rows, and a new shape compiles nothing more."""
+    """`target.compile`: the layers compiled by Inductor are as accurate as the eager layers, for packed rows of two
+    shapes and plain rows, and a new shape compiles nothing more.
+
+    Accuracy against the same model in float32 (dense masks): compiled and eager bf16 each round differently (fused
+    norms keep float32 intermediates), so they differ from each other by about as much as each differs from float32:
+    1.2 % between them on an H200, where a direct 1 % bound failed; on the CPU (dense masks, Inductor's C++ kernels)
+    eager 1.14 % and compiled 0.98 % from float32, 1.22 % between them. The compiled error must stay within 1.5x the
+    eager one."""
     from torch._dynamo.utils import counters
 
     if backend == "varlen" and not varlen_supported(torch.bfloat16, SIZES["mid"][3]):
@@ -111,6 +117,7 @@ def test_gpu_compiled_target_layers_give_the_eager_features_without_recompiling(
     torch._dynamo.reset()
     counters.clear()
     model = random_qwen3("mid", sliding=True)
+    exact = FeatureCapture(copy.deepcopy(model).float(), [0, 1, 3], need_final_hidden=True, packed_attention="dense")
     eager = FeatureCapture(model, [0, 1, 3], need_final_hidden=True, packed_attention=backend)
     compiled = FeatureCapture(model, [0, 1, 3], need_final_hidden=True, packed_attention=backend, compile_layers=True)
     shapes = [(LENGTHS, WIDTH), ([[200, 311], [640], [5, 80, 300, 9]], 640)]
@@ -118,9 +125,11 @@ def test_gpu_compiled_target_layers_give_the_eager_features_without_recompiling(
     for lengths, width in shapes:
         input_ids, doc_ids = packed_rows(lengths, width)
         for rows in (doc_ids, None):
-            want, got = eager.capture(input_ids, None, rows), compiled.capture(input_ids, None, rows)
-            assert relative_error(got.features, want.features) < 1e-2
-            assert relative_error(got.final_hidden, want.final_hidden) < 1e-2
+            ref, want, got = (capture.capture(input_ids, None, rows) for capture in (exact, eager, compiled))
+            for field in ("features", "final_hidden"):
+                eager_error = relative_error(getattr(want, field), getattr(ref, field))
+                assert eager_error < 2e-2, (field, eager_error)
+                assert relative_error(getattr(got, field), getattr(ref, field)) < 1.5 * eager_error, field
         graphs.append(counters["stats"]["unique_graphs"])
     assert not counters["graph_break"], dict(counters["graph_break"])
     assert graphs[1] == graphs[0], graphs  # the second shape reused the compiled code
