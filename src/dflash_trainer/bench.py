@@ -13,7 +13,8 @@ Phases, each through the trainer's own step (`Trainer._optimizer_step`):
   rank does when features arrive for free);
 - end_to_end: the colocated training step fed by the real data path (`Trainer._step_groups`: the prefetch
   worker, non-blocking copies), target forward included;
-- one end_to_end phase per `--ablation NAME:key=value,...`: a new trainer with those overrides (same target), so
+- one end_to_end phase per `--ablation NAME:key=value,...`: a new trainer with those overrides (same target; with
+  `target.fp8` an FP8-quantized copy of it), so
   the effect of each optimisation is measured in the same call.
 Every phase starts from a reset dynamo state (`fresh_compile_state`): it compiles its own code, cold in-process.
 
@@ -45,7 +46,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from .config import ConfigError, RunConfig, load_config
 from .data.shards import ShardWriter
 from .kernel_profile import KernelProfile, format_profile, profile_kernels
-from .target.loader import LoadedTarget
+from .target.loader import LoadedTarget, quantize_target_to_fp8
 from .train.metrics import CompileWatch, allocator_retries, measured_peak_flops
 from .train.profiler import StageProfiler
 from .train.trainer import StepWork, Trainer
@@ -316,11 +317,33 @@ def run_bench(
         shards = write_synthetic_shards(
             Path(tmp) / "shards", setting=setting, groups=groups, vocab=setting.architecture["vocab_size"]
         )
-        target = random_target(device, dtype, setting.architecture)
-        results = []
+        # One random target per precision, built when a phase first needs it: FP8 is irreversible, so a phase
+        # with `target.fp8` gets its own quantized copy instead of the shared bf16 one (the Trainer does not
+        # quantize a target it is handed).
+        targets: dict[bool, LoadedTarget] = {}
+
+        def target_for(config: RunConfig) -> LoadedTarget:
+            fp8 = config.target.fp8
+            if fp8 not in targets:
+                targets[fp8] = random_target(device, dtype, setting.architecture)
+                if fp8:
+                    quantize_target_to_fp8(targets[fp8])
+            return targets[fp8]
+
+        results: list[PhaseResult] = []
+
+        def record(result: PhaseResult) -> None:
+            # Each phase's numbers are printed and saved as soon as it ends: a run cut short (a time limit, a
+            # killed process) keeps the phases it finished.
+            results.append(result)
+            print_phase(result)
+            if out is not None:
+                out.write_text(json.dumps([asdict(r) for r in results], indent=2))
+
         for index, (name, extra) in enumerate([("", []), *parsed]):
             config = bench_config(recipe, [*overrides, *extra], shards, Path(tmp) / f"run{index}")
             fresh_compile_state()
+            target = target_for(config)
             trainer = Trainer(config, target=target, log=print)
             trainer.start_log_window()
             if index == 0:
@@ -333,7 +356,7 @@ def run_bench(
                 )
                 features = trainer.capture.capture(batch.input_ids, batch.position_ids, batch.doc_ids)
                 work = StepWork(batches=[batch], outputs=[None], loss_scale=1.0)
-                results.append(
+                record(
                     time_steps(
                         trainer,
                         replay(work, features),
@@ -351,29 +374,32 @@ def run_bench(
             phase = "end_to_end" + (f"[{name}]" if name else "")
             steps_iter = live_steps(trainer)
             trace_path = trace_dir / f"{name or 'end_to_end'}.json" if trace_dir else None
-            results.append(
+            record(
                 time_steps(
                     trainer, steps_iter, warmup=warmup, steps=steps, name=phase, kernels=kernels, trace_path=trace_path
                 )
             )
             steps_iter.close()
+    print("bench: all phases")
     print_table(results)
-    if out is not None:
-        out.write_text(json.dumps([asdict(r) for r in results], indent=2))
     return results
 
 
 def print_table(results: list[PhaseResult]) -> None:
     for r in results:
-        mfu = f"{100 * r.mfu:.1f}%" if r.mfu is not None else "n/a"
-        print(
-            f"{r.name:>32}: {r.step_ms_median:8.1f} ms/step (min {r.step_ms_min:.1f}, max {r.step_ms_max:.1f}) | "
-            f"{r.tokens_per_s:9.0f} target tok/s | MFU {mfu} | peak {r.peak_mem_gib:.1f} GiB | "
-            f"first step {r.first_step_s:.1f}s | recompiles {r.recompiles_after_warmup} | "
-            f"alloc retries {r.alloc_retries}"
-        )
-        stages = " ".join(f"{stage} {ms:.1f}" for stage, ms in sorted(r.stages_ms.items(), key=lambda kv: -kv[1]))
-        print(f"{'':>32}  stages (ms/step, profiled): {stages}")
-        if r.kernel_profile is not None:
-            for line in format_profile(r.kernel_profile, r.step_ms_median):
-                print(f"{'':>32}  {line}")
+        print_phase(r)
+
+
+def print_phase(r: PhaseResult) -> None:
+    mfu = f"{100 * r.mfu:.1f}%" if r.mfu is not None else "n/a"
+    print(
+        f"{r.name:>32}: {r.step_ms_median:8.1f} ms/step (min {r.step_ms_min:.1f}, max {r.step_ms_max:.1f}) | "
+        f"{r.tokens_per_s:9.0f} target tok/s | MFU {mfu} | peak {r.peak_mem_gib:.1f} GiB | "
+        f"first step {r.first_step_s:.1f}s | recompiles {r.recompiles_after_warmup} | "
+        f"alloc retries {r.alloc_retries}"
+    )
+    stages = " ".join(f"{stage} {ms:.1f}" for stage, ms in sorted(r.stages_ms.items(), key=lambda kv: -kv[1]))
+    print(f"{'':>32}  stages (ms/step, profiled): {stages}")
+    if r.kernel_profile is not None:
+        for line in format_profile(r.kernel_profile, r.step_ms_median):
+            print(f"{'':>32}  {line}")
