@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from conftest import _TINY_DIMS, PAD_ID, TINY_VOCAB
+from dflash_trainer.compiling import compile_dynamic
 from dflash_trainer.target import attention as doc_attention
 from dflash_trainer.target.attention import (
     PackedAttention,
@@ -344,9 +345,7 @@ def test_compiled_layers_capture_what_eager_layers_capture_without_recompiling(t
 
     torch._dynamo.reset()
     counters.clear()
-    monkeypatch.setattr(
-        capture_module, "compile_layer_forward", lambda fn: torch.compile(fn, dynamic=True, backend="aot_eager")
-    )
+    monkeypatch.setattr(capture_module, "compile_layer_forward", lambda fn: compile_dynamic(fn, backend="aot_eager"))
     eager = FeatureCapture(tiny_sliding_qwen3, [1, 4], True, packed_attention="dense")
     compiled_capture = FeatureCapture(tiny_sliding_qwen3, [1, 4], True, packed_attention="dense", compile_layers=True)
     batches = [packed_batch(LENGTHS, WIDTH), packed_batch([[7, 9], [16], [4, 4, 4, 4]], 16, seed=1)]

@@ -14,7 +14,7 @@ Phases, each through the trainer's own step (`Trainer._optimizer_step`):
 - end_to_end: the colocated training step fed by the real data path (`Trainer._step_groups`: the prefetch
   worker, non-blocking copies), target forward included;
 - one end_to_end phase per `--ablation NAME:key=value,...`: a new trainer with those overrides (same target; with
-  `target.fp8` an FP8-quantized copy of it), so
+  `target.fp8` a random target of the same shape quantized to FP8), so
   the effect of each optimisation is measured in the same call.
 Every phase starts from a reset dynamo state (`fresh_compile_state`): it compiles its own code, cold in-process.
 
@@ -30,6 +30,7 @@ synchronisation. Results go to stdout and, with `--out`, to a JSON file.
 
 from __future__ import annotations
 
+import gc
 import json
 import statistics
 import tempfile
@@ -317,18 +318,23 @@ def run_bench(
         shards = write_synthetic_shards(
             Path(tmp) / "shards", setting=setting, groups=groups, vocab=setting.architecture["vocab_size"]
         )
-        # One random target per precision, built when a phase first needs it: FP8 is irreversible, so a phase
-        # with `target.fp8` gets its own quantized copy instead of the shared bf16 one (the Trainer does not
-        # quantize a target it is handed).
-        targets: dict[bool, LoadedTarget] = {}
+        # One random target at a time, rebuilt when a phase's precision differs from the last one's: FP8 is
+        # irreversible and the Trainer does not quantize a target it is handed, so a phase with `target.fp8` gets a
+        # random target of its own (other weights, same shape: these phases time steps, they do not compare
+        # features), and the previous target is freed first so that the phase's peak memory is its own.
+        current: dict[bool, LoadedTarget] = {}
 
         def target_for(config: RunConfig) -> LoadedTarget:
             fp8 = config.target.fp8
-            if fp8 not in targets:
-                targets[fp8] = random_target(device, dtype, setting.architecture)
+            if fp8 not in current:
+                current.clear()
+                gc.collect()  # the last trainer's reference cycles
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()
+                current[fp8] = random_target(device, dtype, setting.architecture)
                 if fp8:
-                    quantize_target_to_fp8(targets[fp8])
-            return targets[fp8]
+                    quantize_target_to_fp8(current[fp8])
+            return current[fp8]
 
         results: list[PhaseResult] = []
 
@@ -342,6 +348,7 @@ def run_bench(
 
         for index, (name, extra) in enumerate([("", []), *parsed]):
             config = bench_config(recipe, [*overrides, *extra], shards, Path(tmp) / f"run{index}")
+            trainer = target = None  # the last phase's: target_for may free the target they hold
             fresh_compile_state()
             target = target_for(config)
             trainer = Trainer(config, target=target, log=print)
@@ -380,14 +387,8 @@ def run_bench(
                 )
             )
             steps_iter.close()
-    print("bench: all phases")
-    print_table(results)
+    print(f"bench: {len(results)} phases done")
     return results
-
-
-def print_table(results: list[PhaseResult]) -> None:
-    for r in results:
-        print_phase(r)
 
 
 def print_phase(r: PhaseResult) -> None:
