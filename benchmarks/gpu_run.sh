@@ -17,5 +17,5 @@ timeout 240 python3 -m dflash_trainer bench recipes/bench-qwen3-8b.yaml --steps 
   --out "$OUT/ours.json" 2>&1 | grep -v "Loading weights" | tee "$OUT/ours.log" | tail -8
 
 echo "=== peer: speculators 0.9.0 (same setting)"
-OUT=$OUT bash benchmarks/peer_bench.sh
+OUT=$OUT PEER_TIMEOUT=200 PEER_BUDGET=180 bash benchmarks/peer_bench.sh  # this call's 600 s: tests 150 + ours 240
 ls -la "$OUT"

@@ -11,13 +11,14 @@
 #   CANDIDATE="k=v ..." bash benchmarks/gpu_session.sh main  [.gguf2 .mix]  GGUF part 2, the two jobs
 #   (MAIN_OVERRIDES="k=v ..." changes the GPU 0 job too, e.g. to try a recipe change there while GPU 1 sweeps)
 #   (or SWEEP=1: benchmarks/quality_sweep.sh on GPU 1, one run at a time, on the main job's data; with
-#   BENCH_FIRST=smollm2 (or paper,smollm2) GPU 1 first runs benchmarks/flex_mask_bench.py (old against lean mask,
-#   static and dynamic shapes, tiles of 128 and 64 autotuned) and benchmarks/train_bench.sh with the kernel
-#   profile and the ablations of the unmeasured changes (BENCH_ABLATIONS=new; 0: none, 1: all); on a one-GPU
+#   BENCH_FIRST=smollm2 (or paper,smollm2) GPU 1 first runs the speed benchmarks of `bench_on` below:
+#   benchmarks/train_bench.sh with the kernel profile and the latest ablations (BENCH_ABLATIONS=new; 0: none,
+#   1: all), the peer after the paper setting, then benchmarks/flex_mask_bench.py; on a one-GPU
 #   machine BENCH_FIRST runs those benchmarks on GPU 0 before the main job, in the same background chain
 #   while GPU 0 regenerates: the sweep waits for the main job's shards anyway)
-#   BENCH_FIRST=smollm2 bash benchmarks/gpu_session.sh bench        the benchmarks alone on GPU 0 (choose the main
-#                                                job's overrides from them; FLEX_FLAGS="a;b" picks flex_mask_bench runs)
+#   [SMOKE_FIRST=1] BENCH_FIRST=paper,smollm2 bash benchmarks/gpu_session.sh bench  [.whl .peer]  the benchmarks
+#                                                alone on GPU 0 (choose the main job's overrides from them;
+#                                                FLEX_FLAGS="a;b" picks flex_mask_bench runs, "none" skips them)
 #   bash benchmarks/gpu_session.sh wait S                    report every minute for up to S seconds
 #   bash benchmarks/gpu_session.sh collect                   pack logs and results (no weights) into $OUT
 #   bash benchmarks/gpu_session.sh smoke                      the training path's GPU tests (drafter masks and
@@ -52,7 +53,7 @@ bg() {  # name, command...: run in its own session, surviving this call; exit st
 
 # The speed benchmarks of BENCH_FIRST on GPU $1 ("paper", "smollm2" or both, comma-separated, in that order):
 # with SMOKE_FIRST=1 the GPU smoke tests first; per setting the training step with the kernel profile and the
-# ablations of the changes not yet measured, and after the paper setting the peer in the same setting when .peer
+# latest ablations (train_bench.sh), and after the paper setting the peer in the same setting when .peer
 # was carried (benchmarks/peer_bench.sh); last, flex attention's masks and tiles (FLEX_FLAGS: one run per entry,
 # ';'-separated, "none" for no run; by default at the recipe's density of 64 anchors per document: default
 # kernels, dynamic shapes as in training, tiles of 128 and 64 autotuned).

@@ -13,6 +13,7 @@ if [ ! -d .peer/whl ]; then
 fi
 SITE=/tmp/peer_site
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" .peer/whl/*.whl
+set -o pipefail
 cd .peer && PYTHONPATH=$SITE PYTHONUNBUFFERED=1 timeout "${PEER_TIMEOUT:-300}" python3 bench_speculators.py \
   --num-layers 5 --block-size 16 --target-layer-ids 1,9,17,25,33 --attn simple_flex_attention --full-attention \
   --loss-fn ce --loss-impl fused --per-position-loss-weight fixed-exp-decay --gamma 7 --optimizer adamw --lr 6e-4 \
@@ -20,4 +21,6 @@ cd .peer && PYTHONPATH=$SITE PYTHONUNBUFFERED=1 timeout "${PEER_TIMEOUT:-300}" p
   --steps "${PEER_STEPS:-10}" --e2e-steps "${PEER_E2E_STEPS:-6}" --profile-steps 2 --time-budget "${PEER_BUDGET:-240}" \
   --tag packed8192_paper --workdir /tmp/pb_work --out "$OUT/peer.json" 2>&1 \
   | grep --line-buffered -v "Loading from local directory\|safetensors.index.json" > "$OUT/peer.log"
+status=$?
 tail -n 15 "$OUT/peer.log"
+exit $status

@@ -4,8 +4,8 @@
 #   paper setting:  random Qwen3-8B-shaped target, packed 8192-token rows (recipes/bench-qwen3-8b.yaml)
 #   SmolLM2 setting: random SmolLM2-135M-shaped target, the GPU recipe's batch shape (recipes/bench-smollm2.yaml)
 # Each ablation is one more end-to-end phase in the same process with one optimisation switched off.
-# STEPS / WARMUP override the step counts; ABLATIONS=0 runs the baselines only, ABLATIONS=new the SmolLM2 ablations
-# of the changes not yet measured (NEW_ABLATIONS); RUN_TIMEOUT (s, default 200) bounds each setting's process; KERNELS=N also prints each phase's
+# STEPS / WARMUP override the step counts; ABLATIONS=0 runs the baselines only, ABLATIONS=new the latest ablations
+# (NEW_ABLATIONS for SmolLM2: changes not yet measured; NEW_PAPER_ABLATIONS: the target eager and in FP8); RUN_TIMEOUT (s, default 200) bounds each setting's process; KERNELS=N also prints each phase's
 # N kernels with the most device time (bench --kernels), and TRACES=1 writes their Chrome traces under
 # $OUT/traces-<setting>/ (tens of MB each); SETTINGS=smollm2 (or paper) runs one setting only.
 set -u
@@ -27,7 +27,7 @@ NEW_ABLATIONS=(
   --ablation "autotune:drafter.compile_mode=max-autotune-no-cudagraphs"
   --ablation "tile64:drafter.flex_tile=64,drafter.compile_mode=max-autotune-no-cudagraphs"
 )
-# The paper setting's target: its recipe compiles the decoder layers (eager = before, 2026-12-01: 267 against 204 ms);
+# The paper setting's target: its recipe compiles the decoder layers (eager = before, 2026-12-01: 268 against 204 ms);
 # FP8 linears on top (2026-12-01: 144 ms, end to end 1.27x the peer; off by default, see README).
 NEW_PAPER_ABLATIONS=(
   --ablation "target_eager:target.compile=false"
