@@ -18,8 +18,9 @@ Phases, each through the trainer's own step (`Trainer._optimizer_step`):
   the effect of each optimisation is measured in the same call.
 Every phase starts from a reset dynamo state (`fresh_compile_state`): it compiles its own code, cold in-process.
 
-Per phase: median step time, target tokens/s, MFU, peak memory, the first step's time (compilation), the number
-of dynamo compilations after warm-up (any is a recompile), and the per-stage profile of a few more steps run with
+Per phase: median step time, target tokens/s, MFU, peak memory, the first step's time (compilation; with the frames
+dynamo compiled in it and its seconds in dynamo's compile), the number of dynamo compilations after warm-up (any is
+a recompile), and the per-stage profile of a few more steps run with
 the stage profiler on (it synchronises after every stage, so those steps are slower; the shares are what count),
 and with `--kernels N` the N kernels that take the most device time over a few more steps, run under
 `torch.profiler` (`kernel_profile.py`: busy time against step time, then ms, share and calls per kernel;
@@ -96,6 +97,10 @@ class PhaseResult:
     mfu: float | None
     peak_mem_gib: float
     first_step_s: float
+    # Of the first step: frames dynamo compiled and the seconds in its `_compile` (tracing and the forward graphs
+    # Inductor builds; backward graphs are compiled lazily in the backward and count only in first_step_s).
+    first_step_compiles: int
+    first_step_compile_s: float
     recompiles_after_warmup: int
     # cudaMalloc retries of the caching allocator during the timed steps (it frees its cache and retries when a
     # request does not fit: a synchronising, slow path that makes a step near the memory limit erratic).
@@ -186,10 +191,11 @@ def time_steps(
     def run(work: StepWork) -> None:
         trainer._optimizer_step(work.batches, outputs=work.outputs, loss_scale=work.loss_scale)
 
-    started = time.perf_counter()
+    started, first_compiles = time.perf_counter(), CompileWatch()
     run(next(works))
     sync()
     first_step_s = time.perf_counter() - started
+    first_step_compiles, first_step_compile_s, _ = first_compiles.take()
     for _ in range(1, warmup):
         run(next(works))
     sync()
@@ -241,6 +247,8 @@ def time_steps(
         mfu=mfu,
         peak_mem_gib=mem,
         first_step_s=first_step_s,
+        first_step_compiles=first_step_compiles,
+        first_step_compile_s=first_step_compile_s,
         recompiles_after_warmup=recompiles,
         alloc_retries=retries,
         stages_ms=stages,
@@ -396,7 +404,8 @@ def print_phase(r: PhaseResult) -> None:
     print(
         f"{r.name:>32}: {r.step_ms_median:8.1f} ms/step (min {r.step_ms_min:.1f}, max {r.step_ms_max:.1f}) | "
         f"{r.tokens_per_s:9.0f} target tok/s | MFU {mfu} | peak {r.peak_mem_gib:.1f} GiB | "
-        f"first step {r.first_step_s:.1f}s | recompiles {r.recompiles_after_warmup} | "
+        f"first step {r.first_step_s:.1f}s ({r.first_step_compiles} frames compiled, {r.first_step_compile_s:.1f}s in "
+        f"dynamo's compile) | recompiles {r.recompiles_after_warmup} | "
         f"alloc retries {r.alloc_retries}"
     )
     stages = " ".join(f"{stage} {ms:.1f}" for stage, ms in sorted(r.stages_ms.items(), key=lambda kv: -kv[1]))
