@@ -62,9 +62,12 @@ def int64_rule(*, anchors, anchor_keep, doc_ids, block_size, context_len, causal
     return mask_mod
 
 
-def layout(rows: int, length: int, anchors_per_doc: int | None, block_size: int, seed: int):
-    """Rows packed first-fit with whole documents (prompt unsupervised, reply supervised), padding -1 at the end;
-    the anchors (padded to a multiple of 16 with dropped ones, as the recipe does) and their keep flags."""
+def layout(
+    rows: int, length: int, anchors_per_doc: int | None, block_size: int, seed: int, documents=smollm2_documents
+):
+    """Rows packed first-fit with whole documents (`documents(rng)` -> [(length, prompt length)]: prompt
+    unsupervised, reply supervised), padding -1 at the end; the anchors (padded to a multiple of 16 with dropped
+    ones, as the recipes do) and their keep flags."""
     rng = np.random.default_rng(seed)
     doc_ids = torch.full((rows, length), -1, dtype=torch.long)
     loss_mask = torch.zeros(rows, length, dtype=torch.bool)
@@ -72,7 +75,7 @@ def layout(rows: int, length: int, anchors_per_doc: int | None, block_size: int,
     for r in range(rows):
         start, doc = 0, 0
         while True:
-            pending += smollm2_documents(rng) if len(pending) < 66 else []
+            pending += documents(rng) if len(pending) < 66 else []
             fit = next((i for i, (size, _) in enumerate(pending) if start + size <= length), None)
             if fit is None:
                 break

@@ -26,7 +26,8 @@
 #                                                ~2 min): after a hot-path change, before the 20-minute jobs
 #   [SETTINGS=...] bash benchmarks/gpu_session.sh disagg     benchmarks/disagg_bench.sh on both GPUs (after the jobs)
 #   [TESTS=...] bash benchmarks/gpu_session.sh hybrid [.fla]  the hybrid benchmark with fla (the fallback was
-#                                                measured on 2026-11-30), then the GPU tests with fla
+#                                                measured on 2026-11-30), then the GPU tests with fla (TESTS=none:
+#                                                none)
 # The device has no internet and none of the data packages: the jobs read the GPU recipe's prompts (the first
 # 48,000 of `mix-math:train`) from `.mix/mix-math-48k.jsonl.gz`, written here by
 #   python -m dflash_trainer.data.prompts mix-math --export .mix/mix-math-48k.jsonl.gz --limit 48000
@@ -54,7 +55,10 @@ bg() {  # name, command...: run in its own session, surviving this call; exit st
 # The speed benchmarks of BENCH_FIRST on GPU $1 ("paper", "smollm2" or both, comma-separated, in that order):
 # with SMOKE_FIRST=1 the GPU smoke tests first; per setting the training step with the kernel profile and the
 # latest ablations (train_bench.sh), and after the paper setting the peer in the same setting when .peer
-# was carried (benchmarks/peer_bench.sh); last, flex attention's masks and tiles (FLEX_FLAGS: one run per entry,
+# was carried (benchmarks/peer_bench.sh). Before the paper setting (FLEX_SWEEP=0: not) flex_kernel_bench.py times
+# flex's kernel options on its mask; the fastest, alone and with the loss in chunks of 128, become two more
+# ablations, and every paper ablation times its drafter-only step too (ABLATION_DRAFTER_ONLY=0: not). Last, flex
+# attention's masks and tiles at the SmolLM2 shape (FLEX_FLAGS: one run per entry,
 # ';'-separated, "none" for no run; by default at the recipe's density of 64 anchors per document: default
 # kernels, dynamic shapes as in training, tiles of 128 and 64 autotuned).
 bench_on() {
@@ -63,8 +67,20 @@ bench_on() {
     smoke="CUDA_VISIBLE_DEVICES=$1 $(smoke_command) > $RES/smoke.log 2>&1;"
   fi
   for setting in $settings; do
-    chain+="CUDA_VISIBLE_DEVICES=$1 OUT=$RES/train_bench KERNELS=25 ABLATIONS=${BENCH_ABLATIONS:-new} STEPS=6 WARMUP=3 \
-      RUN_TIMEOUT=600 SETTINGS=$setting timeout 1300 bash benchmarks/train_bench.sh > $RES/train_bench-$setting.log 2>&1;"
+    if [ "$setting" = paper ] && [ "${FLEX_SWEEP:-1}" = 1 ]; then
+      # flex's kernel options on the paper setting's mask first; the fastest becomes the phase flex_best.
+      chain+="CUDA_VISIBLE_DEVICES=$1 timeout 420 python3 benchmarks/flex_kernel_bench.py --autotune \
+        --out $RES/flex_kernels.json --best $RES/flex_best.overrides > $RES/flex_kernel_bench.log 2>&1; \
+        best=\$(cat $RES/flex_best.overrides 2>/dev/null); \
+        export PAPER_EXTRA=\${best:+\"flex_best:\$best;flex_best_chunk128:\$best,loss.chunk_blocks=128\"};"
+    fi
+    # An empty Inductor cache of its own: the first phase's first step and the target's first forward are what a
+    # new run on a new machine waits for (issue 10: first step <= 30 s).
+    chain+="rm -rf /tmp/inductor-$setting; CUDA_VISIBLE_DEVICES=$1 TORCHINDUCTOR_CACHE_DIR=/tmp/inductor-$setting \
+      TRITON_CACHE_DIR=/tmp/inductor-$setting/triton-jit OUT=$RES/train_bench KERNELS=25 ABLATIONS=${BENCH_ABLATIONS:-new} STEPS=6 WARMUP=3 \
+      ABLATION_DRAFTER_ONLY=$([ "$setting" = paper ] && echo "${ABLATION_DRAFTER_ONLY:-1}" || echo 0) \
+      RUN_TIMEOUT=600 SETTINGS=$setting timeout 1300 \
+      bash benchmarks/train_bench.sh > $RES/train_bench-$setting.log 2>&1;"
     if [ "$setting" = paper ] && [ -d "$REPO/.peer/whl" ]; then
       chain+="CUDA_VISIBLE_DEVICES=$1 OUT=$RES/peer bash benchmarks/peer_bench.sh > $RES/peer_bench.log 2>&1;"
     fi
@@ -193,7 +209,8 @@ case "$STAGE" in
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/fla_site .fla/*.whl
     bg hybrid "cd $REPO && export PYTHONPATH=$REPO/src:$SITE OUT=$RES/hybrid && mkdir -p $RES/hybrid && \
       python3 benchmarks/hybrid_bench.py --wheels /tmp/fla_whl --kernels fla --child-timeout 300 && \
-      PYTHONPATH=$REPO/src:$SITE:/tmp/fla_site timeout 240 python3 -m pytest -q -m gpu -p no:cacheprovider ${TESTS:-tests/}"
+      { [ '${TESTS:-tests/}' = none ] || PYTHONPATH=$REPO/src:$SITE:/tmp/fla_site timeout 240 \
+        python3 -m pytest -q -m gpu -p no:cacheprovider ${TESTS:-tests/}; }"
     echo "started: hybrid benchmark"
     ;;
   *) echo "unknown stage $STAGE"; exit 2 ;;

@@ -28,9 +28,9 @@ Phases (each child):
   path: every document a row of its own, stopping after layer 61), median of timed calls: target tokens/s;
 - `train`: the trainer's end-to-end step in the paper setting (`recipes/bench-qwen3-8b.yaml`: drafter 5 layers,
   block 16, 455 anchors per document) with data labels (the LM head is not needed, so the target stops after the
-  deepest tap) through `bench.time_steps`: step time min / median / max over the timed steps (with fla, Triton
-  autotuning and compiles on shapes first met in a timed step inflate the median and max; the minimum is the
-  settled step: `time_steps` keeps no per-step times, so how many steps were hit is not counted), the caching
+  deepest tap) through `bench.time_steps`: step time min / median / max over the timed steps, and each timed
+  step with the frames dynamo compiled in it and the kernels Triton added to its disk cache (fla's JIT compiles:
+  on 2026-12-01 the median was 5.5 s against a minimum of 1.3 s, with one recompile, unexplained), the caching
   allocator's cudaMalloc retries in the timed steps (near the memory limit it frees its cache and retries, a slow
   synchronising path: run with `PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True` when they are not 0), target
   tokens/s, MFU, peak memory. The drafter layers and the loss run eagerly (compiling them costs each child about
@@ -207,7 +207,7 @@ def run_child(kernels: str, out: Path, *, rows: int, compile_drafter: bool) -> N
     fast = kernels == "fla"
     phases = [
         ("forward", lambda: forward_phase(target, iters=5 if fast else 2)),
-        ("train", lambda: train_phase(target, steps=4 if fast else 2, compile_drafter=compile_drafter)),
+        ("train", lambda: train_phase(target, steps=6 if fast else 2, compile_drafter=compile_drafter)),
         ("decode", lambda: decode_phase(target, rows=rows, new_tokens=48 if fast else 24)),
     ]
     for name, phase in phases:
@@ -261,6 +261,7 @@ def train_phase(target, *, steps: int, compile_drafter: bool) -> dict:
     from dflash_trainer.bench import (
         Setting,
         bench_config,
+        describe_step,
         live_steps,
         paper_documents,
         time_steps,
@@ -290,6 +291,11 @@ def train_phase(target, *, steps: int, compile_drafter: bool) -> dict:
         f"target tok/s at the median, MFU {mfu}, peak {phase.peak_mem_gib:.1f} GiB, first step "
         f"{phase.first_step_s:.0f} s; stages (ms): "
         + " ".join(f"{k} {v:.0f}" for k, v in sorted(phase.stages_ms.items(), key=lambda kv: -kv[1])[:4])
+        + "; timed steps (ms): "
+        + ", ".join(
+            describe_step(*step)
+            for step in zip(phase.step_ms, phase.step_compiles, phase.step_triton_compiles, strict=True)
+        )
     )
     return result
 

@@ -5,7 +5,8 @@
 #   SmolLM2 setting: random SmolLM2-135M-shaped target, the GPU recipe's batch shape (recipes/bench-smollm2.yaml)
 # Each ablation is one more end-to-end phase in the same process with one optimisation switched off.
 # STEPS / WARMUP override the step counts; ABLATIONS=0 runs the baselines only, ABLATIONS=new the latest ablations
-# (NEW_ABLATIONS for SmolLM2: changes not yet measured; NEW_PAPER_ABLATIONS: the target eager and in FP8); RUN_TIMEOUT (s, default 200) bounds each setting's process; KERNELS=N also prints each phase's
+# (NEW_ABLATIONS for SmolLM2: changes not yet measured; NEW_PAPER_ABLATIONS: the loss in larger chunks; PAPER_EXTRA:
+# more, from the command line); RUN_TIMEOUT (s, default 200) bounds each setting's process; KERNELS=N also prints each phase's
 # N kernels with the most device time (bench --kernels), and TRACES=1 writes their Chrome traces under
 # $OUT/traces-<setting>/ (tens of MB each); SETTINGS=smollm2 (or paper) runs one setting only.
 set -u
@@ -27,9 +28,16 @@ NEW_ABLATIONS=(
   --ablation "autotune:drafter.compile_mode=max-autotune-no-cudagraphs"
   --ablation "tile64:drafter.flex_tile=64,drafter.compile_mode=max-autotune-no-cudagraphs"
 )
-# The paper setting's target: its recipe compiles the decoder layers (eager = before, 2026-12-01: 268 against 204 ms);
-# FP8 linears on top (2026-12-01: 144 ms, end to end 1.27x the peer; off by default, see README).
+# The paper setting's drafter step (2026-12-01: 376.5 ms, 1.04x the peer): the fused loss in chunks of 128 blocks
+# (1,920 slots per LM-head matmul instead of 960; 1,365 anchors pad to 1,408 blocks either way). The target's
+# ablations (eager: 268 against 204 ms compiled; FP8: 144 ms, end to end 1.27x the peer) were measured on
+# 2026-12-01 and are in the full list. PAPER_EXTRA adds ';'-separated NAME:overrides phases (e.g. the fastest
+# flex kernel options from flex_kernel_bench.py --best); ABLATION_DRAFTER_ONLY=1 times each ablation's
+# drafter-only step too (bench --drafter-only-ablations).
 NEW_PAPER_ABLATIONS=(
+  --ablation "loss_chunk128:loss.chunk_blocks=128"
+)
+TARGET_PAPER_ABLATIONS=(
   --ablation "target_eager:target.compile=false"
   --ablation "fp8_target:target.fp8=true"
 )
@@ -46,11 +54,16 @@ elif [ "${ABLATIONS:-1}" != 0 ]; then
     --ablation "no_buckets:data.seq_multiple=1,data.anchor_multiple=1"
     --ablation "cuda_graphs:drafter.compile_mode=reduce-overhead"
   )
-  PAPER_ABLATIONS=("${NEW_PAPER_ABLATIONS[@]}"
+  PAPER_ABLATIONS=("${NEW_PAPER_ABLATIONS[@]}" "${TARGET_PAPER_ABLATIONS[@]}"
     --ablation "mask_mod_builder:drafter.mask_builder=mask_mod"
     --ablation "eager_loss:loss.compile=false"
   )
 fi
+
+IFS=';' read -r -a extra <<< "${PAPER_EXTRA:-}"
+for ablation in ${extra[@]+"${extra[@]}"}; do
+  [ -n "$ablation" ] && PAPER_ABLATIONS+=(--ablation "$ablation")
+done
 
 run() {  # name, recipe, ablations...
   local name=$1 recipe=$2
@@ -58,6 +71,7 @@ run() {  # name, recipe, ablations...
   local kernels=()
   if [ "${KERNELS:-0}" != 0 ]; then kernels=(--kernels "$KERNELS"); fi
   if [ "${TRACES:-0}" = 1 ]; then kernels+=(--trace-dir "$OUT/traces-$name"); fi
+  if [ "${ABLATION_DRAFTER_ONLY:-0}" = 1 ]; then kernels+=(--drafter-only-ablations); fi
   case ",${SETTINGS:-paper,smollm2}," in *",$name,"*) ;; *) return ;; esac
   echo "=== $name"
   timeout "${RUN_TIMEOUT:-200}" python3 -m dflash_trainer bench "$recipe" --steps "$STEPS" --warmup "$WARMUP" "$@" ${kernels[@]+"${kernels[@]}"} \

@@ -264,6 +264,52 @@ def test_flex_and_dense_drafter_forward_agree(sliding, tile):
     torch.testing.assert_close(outputs["flex"], outputs["sdpa"], rtol=1e-5, atol=1e-5)
 
 
+def test_flex_kernel_options_reach_every_flex_call_and_change_nothing(monkeypatch):
+    """`drafter.flex_kernel_options` (set_flex_kernel_options) is handed to flex_attention in every layer, and the
+    options the config accepts are speed-only: the output is the same as with none."""
+    import torch.nn.attention.flex_attention as flex_module
+
+    config = tiny_drafter_config()
+    torch.manual_seed(0)
+    drafter = DFlashDrafter(config).eval()
+    batch = random_packed_batch(config, length=48)
+    embed = torch.nn.Embedding(config.vocab_size, config.hidden_size)
+    masks = build_masks(
+        anchors=batch.anchors,
+        anchor_keep=batch.anchor_keep,
+        doc_ids=batch.doc_ids,
+        block_size=config.block_size,
+        variants=drafter.mask_variants,
+        backend="flex",
+    )
+    seen = []
+    real_flex = flex_module.flex_attention
+
+    def recording_flex(*args, kernel_options=None, **kwargs):
+        seen.append(kernel_options)
+        return real_flex(*args, kernel_options=kernel_options, **kwargs)
+
+    monkeypatch.setattr(flex_module, "flex_attention", recording_flex)
+    options = {"ROWS_GUARANTEED_SAFE": True, "bwd_BLOCK_M1": 32, "bwd_num_warps": 4}
+    outputs = []
+    for given in ({}, options):
+        drafter.set_flex_kernel_options(given)
+        with torch.no_grad(), warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # eager flex warns that it is the unfused reference
+            outputs.append(
+                drafter(
+                    features=batch.features,
+                    block_embeds=embed(batch.block_ids),
+                    ctx_positions=batch.position_ids,
+                    block_positions=batch.block_pos,
+                    masks=masks,
+                    backend="flex",
+                )
+            )
+    assert seen == [None] * config.num_hidden_layers + [options] * config.num_hidden_layers
+    torch.testing.assert_close(outputs[1], outputs[0], rtol=0, atol=0)
+
+
 def test_dense_attention_gradients_match_float64_reference():
     anchors, keep, doc_ids = random_mask_inputs(4, 1)
     q_len = anchors.shape[1] * 4

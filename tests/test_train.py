@@ -139,8 +139,9 @@ def test_sigterm_then_resume_reproduces_the_uninterrupted_run(tmp_path, shards):
 
 
 def test_the_data_stage_builds_flex_tables_of_the_configured_tile(tmp_path):
-    """`drafter.flex_tile` reaches the tables the data stage computes (and the BlockMasks built from them); a tile
-    flex has no kernels for is refused when the recipe loads."""
+    """`drafter.flex_tile` reaches the tables the data stage computes (and the BlockMasks built from them), and
+    `drafter.flex_kernel_options` every drafter layer; a tile flex has no kernels for, or a kernel option that is
+    unknown, not speed-only or of the wrong type, is refused when the recipe loads."""
     from dflash_trainer.config import ConfigError
     from dflash_trainer.model.attention import build_masks
 
@@ -153,8 +154,17 @@ def test_the_data_stage_builds_flex_tables_of_the_configured_tile(tmp_path):
         load_config(recipe, ["drafter.flex_tile=64"])
     with pytest.raises(ConfigError, match=r"drafter\.block_size: must be <= drafter\.flex_tile"):
         load_config(recipe, ["drafter.block_size=130"])
+    with pytest.raises(ConfigError, match=r"drafter\.flex_kernel_options\.bwd_BLOCK_N1: must be a power of two"):
+        load_config(recipe, ["drafter.flex_kernel_options.bwd_BLOCK_N1=96"])
+    with pytest.raises(ConfigError, match=r"drafter\.flex_kernel_options\.PRESCALE_QK: unknown or unsupported"):
+        load_config(recipe, ["drafter.flex_kernel_options.PRESCALE_QK=true"])  # rounds differently: not offered
+    with pytest.raises(ConfigError, match=r"drafter\.flex_kernel_options\.USE_TMA: must be true or false"):
+        load_config(recipe, ["drafter.flex_kernel_options.USE_TMA=1"])
     tile64 = ["drafter.flex_tile=64", "drafter.compile_mode=max-autotune-no-cudagraphs"]
-    trainer = Trainer(load_config(recipe, ["drafter.attention_backend=flex", *tile64]), log=print)
+    options = ["drafter.flex_kernel_options.bwd_BLOCK_M1=32", "drafter.flex_kernel_options.ROWS_GUARANTEED_SAFE=true"]
+    trainer = Trainer(load_config(recipe, ["drafter.attention_backend=flex", *tile64, *options]), log=print)
+    expected_options = {"bwd_BLOCK_M1": 32, "ROWS_GUARANTEED_SAFE": True}
+    assert all(layer.self_attn.flex_kernel_options == expected_options for layer in trainer.drafter.layers)
     plan = next(iter(trainer.sampler))
     batch = trainer.make_batch(plan)
     assert {tables.tile for tables in batch.mask_tables.values()} == {64}
@@ -185,6 +195,43 @@ def test_compile_watch_counts_frames_and_new_ones_per_take():
     assert watch.take()[::2] == (1, 0)
     double(torch.ones(5))  # dynamic=False: a new shape is a new compilation
     assert watch.take()[::2] == (2, 1)
+
+
+def test_triton_cache_entries_counts_the_kernel_cache(tmp_path, monkeypatch):
+    from dflash_trainer.train.metrics import triton_cache_entries
+
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "absent"))
+    assert triton_cache_entries() is None
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
+    assert triton_cache_entries() == 0
+    for name in ("AB12", "CD34"):  # Triton writes one directory per compiled kernel
+        (tmp_path / name).mkdir()
+    assert triton_cache_entries() == 2
+
+
+def test_bench_phase_keeps_every_timed_step_and_what_compiled_in_it(tmp_path, shards, monkeypatch, capsys):
+    """`time_steps` keeps each timed step's ms, the frames dynamo compiled in it and the kernels Triton added to its
+    cache (scripted here: 4 in the second step), sums the frames into `recompiles_after_warmup`, and prints the
+    steps when one of them compiled."""
+    from dflash_trainer import bench
+
+    target = save_tiny_target(tmp_path / "target")
+    recipe = write_recipe(tmp_path / "r.yaml", tmp_path / "run", target, shards, train={"max_steps": 8})
+    trainer = Trainer(load_config(recipe), log=print)
+    trainer.start_log_window()
+    readings = iter([10, 10, 10, 14])  # before and after each of the two timed steps
+    monkeypatch.setattr(bench, "triton_cache_entries", lambda: next(readings))
+    steps = bench.live_steps(trainer)
+    phase = bench.time_steps(trainer, steps, warmup=1, steps=2, name="end_to_end")
+    steps.close()
+    assert len(phase.step_ms) == 2 and all(ms > 0 for ms in phase.step_ms)
+    assert phase.step_triton_compiles == [0, 4]
+    assert phase.recompiles_after_warmup == sum(phase.step_compiles) == 0  # eager on the CPU
+    assert phase.step_ms_min == min(phase.step_ms) and phase.step_ms_max == max(phase.step_ms)
+    bench.print_phase(phase)
+    assert "(4 new Triton kernels)" in capsys.readouterr().out
+    assert bench.describe_step(812.4, 2, 14) == "812 (2 frames compiled, 14 new Triton kernels)"
+    assert bench.describe_step(700.0, 0, None) == "700"
 
 
 def test_compilations_after_the_first_log_step_are_logged_and_noted(tmp_path, shards):

@@ -49,7 +49,7 @@ from .config import ConfigError, RunConfig, load_config
 from .data.shards import ShardWriter
 from .kernel_profile import KernelProfile, format_profile, profile_kernels
 from .target.loader import LoadedTarget, quantize_target_to_fp8
-from .train.metrics import CompileWatch, allocator_retries, measured_peak_flops
+from .train.metrics import CompileWatch, allocator_retries, measured_peak_flops, triton_cache_entries
 from .train.profiler import StageProfiler
 from .train.trainer import StepWork, Trainer
 
@@ -105,6 +105,11 @@ class PhaseResult:
     # cudaMalloc retries of the caching allocator during the timed steps (it frees its cache and retries when a
     # request does not fit: a synchronising, slow path that makes a step near the memory limit erratic).
     alloc_retries: int
+    # Every timed step, in order: its ms, the frames dynamo compiled in it, and the new entries of Triton's disk
+    # cache after it (None without one): a slow step that compiled says so.
+    step_ms: list[float] = field(default_factory=list)
+    step_compiles: list[int] = field(default_factory=list)
+    step_triton_compiles: list[int | None] = field(default_factory=list)
     # Stage -> average ms per step over the profiled steps.
     stages_ms: dict[str, float] = field(default_factory=dict)
     # The top kernels over PROFILED_STEPS more steps (`--kernels`), None when not asked for.
@@ -200,17 +205,21 @@ def time_steps(
         run(next(works))
     sync()
     compiles, retries = CompileWatch(), allocator_retries(device) or 0
-    times, tokens, blocks = [], [], []
+    times, tokens, blocks, step_compiles, step_triton = [], [], [], [], []
     for _ in range(steps):
         work = next(works)
         sync()
+        triton_before = triton_cache_entries()
         start = time.perf_counter()
         run(work)
         sync()
         times.append(time.perf_counter() - start)
+        step_compiles.append(compiles.take()[2])
+        triton_after = triton_cache_entries()
+        step_triton.append(None if triton_before is None or triton_after is None else triton_after - triton_before)
         tokens.append(sum(b.num_tokens for b in work.batches))
         blocks.append(sum(b.num_blocks for b in work.batches))
-    recompiles = compiles.take()[0]
+    recompiles = sum(step_compiles)
     retries = (allocator_retries(device) or 0) - retries
     trainer._settle_flags()
     median = statistics.median(times)
@@ -251,6 +260,9 @@ def time_steps(
         first_step_compile_s=first_step_compile_s,
         recompiles_after_warmup=recompiles,
         alloc_retries=retries,
+        step_ms=[1e3 * t for t in times],
+        step_compiles=step_compiles,
+        step_triton_compiles=step_triton,
         stages_ms=stages,
         kernel_profile=kernel_profile,
     )
@@ -310,6 +322,7 @@ def run_bench(
     warmup: int,
     out: Path | None = None,
     ablations: list[str] = (),
+    drafter_only_ablations: bool = False,
     kernels: int = 0,
     trace_dir: Path | None = None,
 ) -> list[PhaseResult]:
@@ -361,15 +374,27 @@ def run_bench(
             target = target_for(config)
             trainer = Trainer(config, target=target, log=print)
             trainer.start_log_window()
-            if index == 0:
+            suffix = f"[{name}]" if name else ""
+            if index == 0 or drafter_only_ablations:
                 batch = trainer.make_batch(next(iter(trainer.sampler)))
-                print(
-                    f"bench: {trainer.total_steps} steps available, {batch.num_tokens} tokens and {batch.num_blocks} "
-                    f"blocks in the first batch (shape {tuple(batch.input_ids.shape)}, {batch.anchors.shape[1]} "
-                    f"anchor slots per row), block {trainer.model_config.block_size}, drafter layers "
-                    f"{trainer.model_config.num_hidden_layers}, backend {trainer.backend}"
-                )
+                if index == 0:
+                    print(
+                        f"bench: {trainer.total_steps} steps available, {batch.num_tokens} tokens and "
+                        f"{batch.num_blocks} blocks in the first batch (shape {tuple(batch.input_ids.shape)}, "
+                        f"{batch.anchors.shape[1]} anchor slots per row), block {trainer.model_config.block_size}, "
+                        f"drafter layers {trainer.model_config.num_hidden_layers}, backend {trainer.backend}"
+                    )
+                started, watch = time.perf_counter(), CompileWatch()
                 features = trainer.capture.capture(batch.input_ids, batch.position_ids, batch.doc_ids)
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
+                frames, compile_s, _ = watch.take()
+                # A run's first step is this (the target's layers compile here when target.compile is on) plus the
+                # drafter-only phase's first step.
+                print(
+                    f"bench: the target's first forward {time.perf_counter() - started:.1f}s ({frames} frames "
+                    f"compiled, {compile_s:.1f}s in dynamo's compile)"
+                )
                 work = StepWork(batches=[batch], outputs=[None], loss_scale=1.0)
                 record(
                     time_steps(
@@ -377,16 +402,16 @@ def run_bench(
                         replay(work, features),
                         warmup=warmup,
                         steps=steps,
-                        name="drafter_only",
+                        name="drafter_only" + suffix,
                         drafter_only=True,
                         kernels=kernels,
-                        trace_path=trace_dir / "drafter_only.json" if trace_dir else None,
+                        trace_path=trace_dir / f"drafter_only{name and '_' + name}.json" if trace_dir else None,
                     )
                 )
                 fresh_compile_state()
                 trainer = Trainer(config, target=target, log=print)
                 trainer.start_log_window()
-            phase = "end_to_end" + (f"[{name}]" if name else "")
+            phase = "end_to_end" + suffix
             steps_iter = live_steps(trainer)
             trace_path = trace_dir / f"{name or 'end_to_end'}.json" if trace_dir else None
             record(
@@ -399,6 +424,12 @@ def run_bench(
     return results
 
 
+def describe_step(ms: float, frames: int, kernels: int | None) -> str:
+    """`812 (2 frames compiled, 14 new Triton kernels)` for one timed step."""
+    notes = ([f"{frames} frames compiled"] if frames else []) + ([f"{kernels} new Triton kernels"] if kernels else [])
+    return f"{ms:.0f}" + (f" ({', '.join(notes)})" if notes else "")
+
+
 def print_phase(r: PhaseResult) -> None:
     mfu = f"{100 * r.mfu:.1f}%" if r.mfu is not None else "n/a"
     print(
@@ -408,6 +439,10 @@ def print_phase(r: PhaseResult) -> None:
         f"dynamo's compile) | recompiles {r.recompiles_after_warmup} | "
         f"alloc retries {r.alloc_retries}"
     )
+    if r.step_ms and (max(r.step_ms) > 1.2 * min(r.step_ms) or any(r.step_compiles) or any(r.step_triton_compiles)):
+        # Uneven or compiling steps: each one, to tell a slow steady state from a few hit steps.
+        steps = zip(r.step_ms, r.step_compiles, r.step_triton_compiles, strict=True)
+        print(f"{'':>32}  timed steps (ms): {', '.join(describe_step(*step) for step in steps)}")
     stages = " ".join(f"{stage} {ms:.1f}" for stage, ms in sorted(r.stages_ms.items(), key=lambda kv: -kv[1]))
     print(f"{'':>32}  stages (ms/step, profiled): {stages}")
     if r.kernel_profile is not None:

@@ -208,6 +208,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         warmup=args.warmup,
         out=args.out,
         ablations=args.ablation,
+        drafter_only_ablations=args.drafter_only_ablations,
         kernels=args.kernels,
         trace_dir=args.trace_dir,
     )
@@ -300,6 +301,11 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
     bench.add_argument(
         "--ablation", action="append", default=[], help="NAME:key=value,...: one more end-to-end phase with these"
+    )
+    bench.add_argument(
+        "--drafter-only-ablations",
+        action="store_true",
+        help="time each ablation's drafter-only step too (the drafter's settings: flex kernels, loss chunks)",
     )
     bench.add_argument(
         "--kernels",

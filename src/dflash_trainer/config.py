@@ -19,6 +19,7 @@ from typing import Any, Literal, get_args, get_origin
 import yaml
 
 from .errors import UserError
+from .flex import flex_kernel_option_problem
 
 
 class ConfigError(UserError, ValueError):
@@ -84,6 +85,11 @@ class DrafterConfig:
     # (forward and backward), so 64 needs the compiled layers with compile_mode max-autotune-no-cudagraphs, whose
     # kernel choices include 64-wide ones.
     flex_tile: int = 128  # flex.TILE
+    # Tiles, warps and stages of the drafter's flex_attention kernels (torch's `FlexKernelOptions`, names as there,
+    # `fwd_`/`bwd_` prefixes for one direction: `bwd_BLOCK_M1=32`); empty: Inductor's choice for the GPU (Hopper,
+    # head dim 128: forward 128 x 64, backward 64/128/128/64 in 3 stages of 8 warps). Only options that change
+    # speed, never results (flex.KERNEL_OPTIONS); benchmarks/flex_kernel_bench.py measures candidates.
+    flex_kernel_options: dict[str, int | bool] = field(default_factory=dict)
 
     def validate(self) -> None:
         _require(self.num_layers >= 1, "drafter.num_layers", "must be >= 1")
@@ -100,6 +106,9 @@ class DrafterConfig:
             "64 needs flex kernels 64 wide, which only autotuning offers: set drafter.compile=true and "
             "drafter.compile_mode=max-autotune-no-cudagraphs",
         )
+        for name, value in self.flex_kernel_options.items():
+            problem = flex_kernel_option_problem(name, value)
+            _require(problem is None, f"drafter.flex_kernel_options.{name}", problem or "")
         # A block must fit in a query tile: the tile tables count each block in the tiles of its first and last
         # query only (model/attention.py: tile_tables).
         _require(
@@ -398,6 +407,14 @@ def _check_value(value: Any, annotation: Any, key: str) -> Any:
         if value not in get_args(annotation):
             raise ConfigError(f"{key}: {value!r} is not one of {list(get_args(annotation))}")
         return value
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"{key}: expected a mapping, got {type(value).__name__} {value!r}")
+        key_type, value_type = get_args(annotation)
+        return {
+            _check_value(k, key_type, f"{key} key {k!r}"): _check_value(v, value_type, f"{key}.{k}")
+            for k, v in value.items()
+        }
     if origin is list:
         if not isinstance(value, list):
             raise ConfigError(f"{key}: expected a list, got {type(value).__name__} {value!r}")

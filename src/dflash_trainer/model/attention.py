@@ -356,8 +356,17 @@ def build_masks(
     return DrafterMasks(backend=backend, by_variant=built)
 
 
-def attend(q: Tensor, k: Tensor, v: Tensor, mask: object | None, backend: Backend, scale: float) -> Tensor:
-    """q [R, Hq, Q, D], k/v [R, Hkv, KV, D] -> [R, Hq, Q, D]. `mask` None means every query sees every key."""
+def attend(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    mask: object | None,
+    backend: Backend,
+    scale: float,
+    kernel_options: dict[str, int | bool] | None = None,
+) -> Tensor:
+    """q [R, Hq, Q, D], k/v [R, Hkv, KV, D] -> [R, Hq, Q, D]. `mask` None means every query sees every key.
+    `kernel_options` go to flex_attention's kernels (tiles, warps, stages: speed only); SDPA has none."""
     enable_gqa = q.shape[1] != k.shape[1]
     # Under autocast the projections give bf16 while norms/rope may give fp32: attend in the value dtype.
     q, k = q.to(v.dtype), k.to(v.dtype)
@@ -368,7 +377,7 @@ def attend(q: Tensor, k: Tensor, v: Tensor, mask: object | None, backend: Backen
         # inside a compiled region (compiled drafter layers), which compiles it with the rest.
         compile_here = q.device.type == "cuda" and not torch.compiler.is_compiling()
         fn = compiled_flex_attention() if compile_here else flex_attention
-        return fn(q, k, v, block_mask=mask, scale=scale, enable_gqa=enable_gqa)
+        return fn(q, k, v, block_mask=mask, scale=scale, enable_gqa=enable_gqa, kernel_options=kernel_options or None)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=enable_gqa)
 
 

@@ -93,6 +93,7 @@ class DrafterAttention(nn.Module):
         self.kv_heads = config.num_key_value_heads
         self.head_dim = config.head_dim
         self.scale = config.head_dim**-0.5
+        self.flex_kernel_options: dict[str, int | bool] = {}  # DFlashDrafter.set_flex_kernel_options
         self.window = config.layer_window(layer)
         hidden, bias = config.hidden_size, config.attention_bias
         self.q_proj = nn.Linear(hidden, self.heads * self.head_dim, bias=bias)
@@ -132,7 +133,7 @@ class DrafterAttention(nn.Module):
         k_blk, v_blk = self._keys_values(k_blk, v_blk, *block_rope)
         k = torch.cat([k_ctx, k_blk], dim=2)  # [R, Hkv, T+Q, D]
         v = torch.cat([v_ctx, v_blk], dim=2)
-        out = attend(q, k, v, mask, backend, self.scale)  # [R, Hq, Q, D]
+        out = attend(q, k, v, mask, backend, self.scale, self.flex_kernel_options)  # [R, Hq, Q, D]
         return self.o_proj(out.transpose(1, 2).reshape(rows, q_len, self.heads * self.head_dim))
 
 
@@ -240,6 +241,12 @@ class DFlashDrafter(nn.Module):
             mask = masks.for_variant(layer.variant) if masks is not None else None
             x = layer(x, ctx, block_rope, ctx_rope, mask, backend, cache)
         return self.norm(x)
+
+    def set_flex_kernel_options(self, options: dict[str, int | bool]) -> None:
+        """Tiles, warps and stages of flex_attention's kernels in every layer (`drafter.flex_kernel_options`,
+        checked by flex.flex_kernel_option_problem); set before the first compiled call, which bakes them in."""
+        for layer in self.layers:
+            layer.self_attn.flex_kernel_options = dict(options)
 
     def compile_layers(self, mode: str = "default") -> None:
         """torch.compile each decoder layer (GPU training): fuses the norms, RoPE, SwiGLU and residual adds

@@ -358,6 +358,18 @@ class CompileWatch:
         return frames, seconds, new
 
 
+def triton_cache_entries() -> int | None:
+    """Entries of Triton's on-disk kernel cache (`TRITON_CACHE_DIR`, default ~/.triton/cache), None when it does
+    not exist. The count grows when a Triton kernel is compiled for the first time on this machine: the JIT
+    compiles outside dynamo (flash-linear-attention's kernels, specialised per new argument pattern) that
+    CompileWatch does not see. Reads one directory listing: call it between timed steps, not inside one."""
+    cache = Path(os.environ.get("TRITON_CACHE_DIR") or Path.home() / ".triton" / "cache")
+    try:
+        return sum(1 for _ in os.scandir(cache))
+    except OSError:  # no cache yet, or not readable
+        return None
+
+
 def allocator_retries(device: torch.device | str) -> int | None:
     """cudaMalloc retries of the CUDA caching allocator so far (None off CUDA). A retry means an allocation did not
     fit, so the allocator freed its cache and tried again: a synchronising slow path, the sign of a step near the

@@ -312,6 +312,7 @@ class Trainer:
             self.drafter = DFlashDrafter(self.model_config).to(self.device)  # fp32 master weights
             if self.config.drafter.init_layers_from_target is not None:
                 self._copy_target_layers(self.config.drafter.init_layers_from_target)
+        self.drafter.set_flex_kernel_options(self.config.drafter.flex_kernel_options)
         if self.config.drafter.compile and self.device.type == "cuda":
             self.drafter.compile_layers(mode=self.config.drafter.compile_mode)
         self.sync = make_sync(

@@ -1,0 +1,185 @@
+"""flex_attention's kernel options (`drafter.flex_kernel_options`) on the drafter's real mask at the paper setting.
+
+Run from the repository root on the GPU machine (a few minutes on one H200, most of it compiling the backward
+kernels):
+
+    PYTHONPATH=src python3 benchmarks/flex_kernel_bench.py [--out flex_kernels.json] [--best best.overrides]
+        [--candidates candidates.json] [--autotune] [--repeats 20]
+
+One drafter layer's attention in `recipes/bench-qwen3-8b.yaml`: Qwen3-8B's heads (32 query, 8 key/value, head dim
+128), bf16, one packed row of 8,192 context tokens from documents 3072 + 3072 + 2048, 455 anchors per document,
+blocks of 16 (21,840 queries, 30,032 keys), production's mask (`tile_tables` + `mask_from_ranges`, tiles of 128).
+On 2026-12-01 the step's five flex backward calls took 44 ms of the drafter-only step's 376.5 (forward 11 ms), the
+only kernel left well below its roofline. Each candidate is a dict of kernel options, compiled like the trainer's
+layers (static here: one mask); prints forward and forward+backward ms (CUDA events, median of `--repeats` after
+warm-up), the five-layer estimate, and the largest difference of its outputs and gradients from the first
+candidate's (bf16 rounding: the tiles change the order of the sums). `--autotune` adds Inductor's own choice
+(max-autotune for this graph alone; its log, "AUTOTUNE flex_attention_backward", names the configs it timed, on
+a mask it fills in itself, so its pick is then timed here on the real one). `--best` writes the fastest
+candidate as dotted overrides (`drafter.flex_kernel_options.KEY=VALUE,...`, empty when the default wins) for a
+bench ablation. A candidate that does not compile (shared memory) is reported and skipped.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+from flex_mask_bench import layout, median_ms  # benchmarks/ is on sys.path when run as a script
+from torch.nn.attention.flex_attention import flex_attention
+
+from dflash_trainer.bench import paper_documents
+from dflash_trainer.flex import TILE, flex_kernel_option_problem
+from dflash_trainer.model.attention import block_mask_from_tables, mask_from_ranges, tile_tables
+
+HEADS, KV_HEADS, HEAD_DIM, LAYERS = 32, 8, 128, 5
+LENGTH, ANCHORS_PER_DOC, BLOCK = 8192, 455, 16
+
+
+def backward_tiles(m1: int, n1: int, m2: int, n2: int, stages: int, warps: int) -> dict[str, int]:
+    return {
+        "bwd_BLOCK_M1": m1,
+        "bwd_BLOCK_N1": n1,
+        "bwd_BLOCK_M2": m2,
+        "bwd_BLOCK_N2": n2,
+        "bwd_num_stages": stages,
+        "bwd_num_warps": warps,
+    }
+
+
+# Inductor's default on Hopper at head dim 128 is backward_tiles(64, 128, 128, 64, 3, 8) (template_heuristics);
+# around it: fewer stages or warps, narrower query tiles, the square 64 tiles, and the flags that skip work.
+DEFAULT_CANDIDATES: list[dict[str, int | bool]] = [
+    {},
+    {"ROWS_GUARANTEED_SAFE": True},
+    backward_tiles(64, 128, 128, 64, 2, 8),
+    backward_tiles(64, 128, 128, 64, 3, 4),
+    backward_tiles(32, 128, 128, 32, 3, 4),
+    backward_tiles(64, 64, 64, 64, 3, 4),
+    backward_tiles(32, 64, 64, 32, 3, 4),
+    {"bwd_WRITE_DQ": False},
+]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--candidates", type=Path, help="JSON list of kernel-option dicts (default: built in)")
+    parser.add_argument("--autotune", action="store_true", help="also time Inductor's max-autotune pick")
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", type=Path, default=Path("flex_kernels.json"))
+    parser.add_argument("--best", type=Path, help="write the fastest candidate as dotted overrides here")
+    args = parser.parse_args()
+
+    candidates = json.loads(args.candidates.read_text()) if args.candidates else DEFAULT_CANDIDATES
+    for options in candidates:
+        problems = [f"{k}: {p}" for k, v in options.items() if (p := flex_kernel_option_problem(k, v))]
+        if problems:
+            sys.exit(f"flex_kernel_bench: candidate {options}: {'; '.join(problems)}")
+    anchors, keep, doc_ids = layout(1, LENGTH, ANCHORS_PER_DOC, BLOCK, args.seed, documents=paper_documents)
+    table = tile_tables(anchors=anchors, anchor_keep=keep, doc_ids=doc_ids, block_size=BLOCK, tile=TILE)
+    q_len, kv_len = anchors.shape[1] * BLOCK, LENGTH + anchors.shape[1] * BLOCK
+    visited = int(table.kv_num_blocks.sum() + table.full_kv_num_blocks.sum())
+    print(
+        f"Q {q_len} ({int(keep.sum())} anchors kept), KV {kv_len}, {visited} tiles of {TILE}x{TILE} visited per head "
+        f"({int(table.kv_num_blocks.sum())} partial)"
+    )
+    if not torch.cuda.is_available():
+        sys.exit("flex_kernel_bench: needs a CUDA device (flex_attention's Triton kernels); none found")
+
+    device = torch.device("cuda")
+    table = table.to(device)
+    mask = block_mask_from_tables(
+        table,
+        mask_from_ranges(table.lo, table.hi, block_size=BLOCK, context_len=LENGTH, causal_in_block=False),
+        q_len=q_len,
+        kv_len=kv_len,
+    )
+    gen = torch.Generator(device=device).manual_seed(args.seed)
+    q, k, v = (
+        torch.randn(1, heads, n, HEAD_DIM, generator=gen, device=device, dtype=torch.bfloat16)
+        for heads, n in ((HEADS, q_len), (KV_HEADS, kv_len), (KV_HEADS, kv_len))
+    )
+    grad_out = torch.randn_like(q)
+    fwd_flop = visited * HEADS * 4 * TILE * TILE * HEAD_DIM  # of the visited tiles; backward 2.5x
+
+    def timed(name: str, options: dict, flex) -> dict:
+        def run(backward: bool) -> list[torch.Tensor]:
+            leaves = [t.detach().requires_grad_(backward) for t in (q, k, v)]
+            out = flex(*leaves, block_mask=mask, scale=HEAD_DIM**-0.5, enable_gqa=True, kernel_options=options or None)
+            return [out, *torch.autograd.grad(out, leaves, grad_out)] if backward else [out]
+
+        started = time.perf_counter()
+        try:
+            with torch.no_grad():
+                fwd_ms = median_ms(lambda: run(False), args.warmup, args.repeats)
+            both_ms = median_ms(lambda: run(True), args.warmup, args.repeats)
+        except Exception as error:  # e.g. a tile set whose shared memory does not fit
+            print(f"{name}: failed: {type(error).__name__}: {str(error)[:300]}", flush=True)
+            return {"name": name, "options": options, "error": f"{type(error).__name__}: {str(error)[:300]}"}
+        result = {
+            "name": name,
+            "options": options,
+            "fwd_ms": fwd_ms,
+            "bwd_ms": both_ms - fwd_ms,
+            "fwd_bwd_ms": both_ms,
+            "step_ms": LAYERS * both_ms,
+            "fwd_tflops": fwd_flop / fwd_ms / 1e9,
+            "bwd_tflops": 2.5 * fwd_flop / (both_ms - fwd_ms) / 1e9,
+            "compile_and_time_s": time.perf_counter() - started,
+            "outputs": run(True),
+        }
+        print(
+            f"{name}: fwd {fwd_ms:.3f} ms ({result['fwd_tflops']:.0f} TFLOP/s), bwd {result['bwd_ms']:.3f} ms "
+            f"({result['bwd_tflops']:.0f} TFLOP/s), {LAYERS} layers {result['step_ms']:.1f} ms per step "
+            f"[{result['compile_and_time_s']:.0f} s]",
+            flush=True,
+        )
+        return result
+
+    results = []
+    for options in candidates:
+        torch._dynamo.reset()  # each candidate compiles its own graph, as a trainer process would
+        name = json.dumps(options) if options else "default"
+        results.append(timed(name, options, torch.compile(flex_attention, dynamic=False)))
+    if args.autotune:
+        torch._dynamo.reset()
+        import torch._inductor.config as inductor_config
+
+        with inductor_config.patch(max_autotune=True):  # only flex is in this graph: no GEMM is autotuned
+            results.append(timed("autotune", {}, torch.compile(flex_attention, dynamic=False)))
+
+    reference = next((r["outputs"] for r in results if "outputs" in r), None)
+    for r in results:
+        if "outputs" in r:
+            r["max_abs_diff"] = max(
+                float((a.float() - b.float()).abs().max()) for a, b in zip(reference, r.pop("outputs"), strict=True)
+            )
+    timed_ok = [r for r in results if "fwd_bwd_ms" in r]
+    print(f"\n{'candidate':<100} {'fwd ms':>7} {'bwd ms':>7} {'x5 ms':>7} {'diff':>8}")
+    for r in results:
+        if "fwd_bwd_ms" in r:
+            print(
+                f"{r['name']:<100} {r['fwd_ms']:7.3f} {r['bwd_ms']:7.3f} {r['step_ms']:7.1f} {r['max_abs_diff']:8.2g}"
+            )
+        else:
+            print(f"{r['name']:<100} failed")
+    args.out.write_text(json.dumps({"gpu": torch.cuda.get_device_name(), "q_len": q_len, "results": results}, indent=2))
+    if args.best and timed_ok:
+        # Only the candidates the config accepts (the autotuned one is Inductor's choice, named in its log).
+        best = min((r for r in timed_ok if r["name"] != "autotune"), key=lambda r: r["fwd_bwd_ms"])
+        overrides = ",".join(
+            f"drafter.flex_kernel_options.{k}={str(v).lower() if isinstance(v, bool) else v}"
+            for k, v in best["options"].items()
+        )
+        args.best.write_text(overrides + "\n")
+        print(f"fastest: {best['name']} ({best['fwd_bwd_ms']:.3f} ms) -> {args.best}: {overrides or '(default)'}")
+
+
+if __name__ == "__main__":
+    main()

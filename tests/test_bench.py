@@ -1,0 +1,56 @@
+"""`dflash-trainer bench` end to end on the CPU, on a tiny random target standing in for the recipe's shape."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+
+from dflash_trainer import bench
+
+ROOT = Path(__file__).resolve().parent.parent
+TINY_LLAMA = dict(
+    model_type="llama",
+    vocab_size=512,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=8,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    max_position_embeddings=1024,
+    tie_word_embeddings=True,
+)
+
+
+def tiny_documents(rng: np.random.Generator) -> list[tuple[int, int]]:
+    return [(int(rng.integers(48, 96)), 16) for _ in range(6)]
+
+
+def test_bench_times_every_phase_and_each_ablations_drafter_step(tmp_path, monkeypatch):
+    """Phases in order: the drafter-only and end-to-end baselines, then per ablation its drafter-only step (with
+    --drafter-only-ablations) and its end-to-end step; the JSON holds them all, each with its timed steps."""
+    monkeypatch.setattr(bench, "setting_for", lambda config: bench.Setting(TINY_LLAMA, tiny_documents))
+    out = tmp_path / "bench.json"
+    results = bench.run_bench(
+        recipe=ROOT / "recipes/bench-smollm2.yaml",
+        overrides=[
+            "drafter.num_layers=2",
+            "drafter.num_target_features=2",
+            "data.token_budget=512",
+            "data.max_seq_len=256",
+            "data.max_anchors=4",
+            "loss.chunk_blocks=8",
+        ],
+        steps=2,
+        warmup=1,
+        out=out,
+        ablations=["small_chunks:loss.chunk_blocks=2"],
+        drafter_only_ablations=True,
+    )
+    names = ["drafter_only", "end_to_end", "drafter_only[small_chunks]", "end_to_end[small_chunks]"]
+    assert [r.name for r in results] == names
+    saved = json.loads(out.read_text())
+    assert [r["name"] for r in saved] == names
+    assert all(len(r["step_ms"]) == 2 and r["step_ms_median"] > 0 for r in saved)
