@@ -18,7 +18,8 @@
 #   while GPU 0 regenerates: the sweep waits for the main job's shards anyway)
 #   [SMOKE_FIRST=1] BENCH_FIRST=paper,smollm2 bash benchmarks/gpu_session.sh bench  [.whl .peer]  the benchmarks
 #                                                alone on GPU 0 (choose the main job's overrides from them;
-#                                                FLEX_FLAGS="a;b" picks flex_mask_bench runs, "none" skips them)
+#                                                FLEX_FLAGS="a;b" picks flex_mask_bench runs, "none" skips them;
+#                                                THEN_HYBRID=1 [.fla]: the hybrid benchmark after them)
 #   bash benchmarks/gpu_session.sh wait S                    report every minute for up to S seconds
 #   bash benchmarks/gpu_session.sh collect                   pack logs and results (no weights) into $OUT
 #   bash benchmarks/gpu_session.sh smoke                      the training path's GPU tests (drafter masks and
@@ -79,7 +80,7 @@ bench_on() {
     chain+="rm -rf /tmp/inductor-$setting; CUDA_VISIBLE_DEVICES=$1 TORCHINDUCTOR_CACHE_DIR=/tmp/inductor-$setting \
       TRITON_CACHE_DIR=/tmp/inductor-$setting/triton-jit OUT=$RES/train_bench KERNELS=25 ABLATIONS=${BENCH_ABLATIONS:-new} STEPS=6 WARMUP=3 \
       ABLATION_DRAFTER_ONLY=$([ "$setting" = paper ] && echo "${ABLATION_DRAFTER_ONLY:-1}" || echo 0) \
-      RUN_TIMEOUT=600 SETTINGS=$setting timeout 1300 \
+      RUN_TIMEOUT=900 SETTINGS=$setting timeout 1300 \
       bash benchmarks/train_bench.sh > $RES/train_bench-$setting.log 2>&1;"
     if [ "$setting" = paper ] && [ -d "$REPO/.peer/whl" ]; then
       chain+="CUDA_VISIBLE_DEVICES=$1 OUT=$RES/peer bash benchmarks/peer_bench.sh > $RES/peer_bench.log 2>&1;"
@@ -87,6 +88,18 @@ bench_on() {
   done
   echo "$smoke $chain IFS=';'; for flag in \${FLEX_FLAGS:---anchors-per-doc 64;--anchors-per-doc 64 --dynamic;--anchors-per-doc 64 --tiles 128,64 --max-autotune}; do unset IFS; \
       [ \"\$flag\" = none ] || CUDA_VISIBLE_DEVICES=$1 timeout 300 python3 benchmarks/flex_mask_bench.py \$flag; done > $RES/flex_mask_bench.log 2>&1;"
+}
+
+# fla's wheels in their own directories (the main jobs must not bind its kernels), and the hybrid benchmark with
+# them, then the GPU tests with fla unless TESTS=none.
+install_fla() {
+  rm -rf /tmp/fla_whl && cp -r .fla /tmp/fla_whl
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/fla_site .fla/*.whl
+}
+hybrid_command() {
+  echo "mkdir -p $RES/hybrid && OUT=$RES/hybrid python3 benchmarks/hybrid_bench.py --wheels /tmp/fla_whl --kernels fla \
+    --child-timeout 300 && { [ '${TESTS:-tests/}' = none ] || PYTHONPATH=$REPO/src:$SITE:/tmp/fla_site timeout 240 \
+    python3 -m pytest -q -m gpu -p no:cacheprovider ${TESTS:-tests/}; }"
 }
 
 # The training path's GPU tests (drafter masks and tiles, loss, fit loop, the target's packed rows and compiled
@@ -141,8 +154,10 @@ case "$STAGE" in
     # overrides from the numbers); BENCH_FIRST names the settings (smollm2, paper or both).
     : "${BENCH_FIRST:?BENCH_FIRST names the settings: smollm2, paper or both}"
     if [ -d .peer/whl ]; then rm -rf "$REPO/.peer" && cp -r .peer "$REPO/"; fi
-    bg bench "cd $REPO && export PYTHONPATH=$REPO/src:$SITE OMP_NUM_THREADS=8 FLEX_FLAGS='${FLEX_FLAGS:-}' && $(bench_on 0) true"
-    echo "started: benchmarks ($BENCH_FIRST) on GPU 0"
+    hybrid="true"
+    if [ "${THEN_HYBRID:-0}" = 1 ]; then install_fla && hybrid="{ $(hybrid_command); } > $RES/hybrid_bench.log 2>&1"; fi
+    bg bench "cd $REPO && export PYTHONPATH=$REPO/src:$SITE OMP_NUM_THREADS=8 FLEX_FLAGS='${FLEX_FLAGS:-}' && $(bench_on 0) $hybrid"
+    echo "started: benchmarks ($BENCH_FIRST${THEN_HYBRID:+, then the hybrid benchmark}) on GPU 0"
     ;;
   wait)
     deadline=$((SECONDS + ${2:-540}))
@@ -160,7 +175,8 @@ case "$STAGE" in
         [ -f "$RES/$job.rc" ] && state="exit $(cat "$RES/$job.rc")"
         echo "$job ($state): $(tr '\r' '\n' < "$RES/$job.log" | grep -v '^\s*$' | tail -n 1 | cut -c1-220)"
       done
-      for log in "$RES"/smoke.log "$RES"/train_bench-*.log "$RES"/peer_bench.log "$RES"/peer/peer.log; do
+      for log in "$RES"/smoke.log "$RES"/flex_kernel_bench.log "$RES"/train_bench-*.log "$RES"/peer_bench.log \
+        "$RES"/peer/peer.log "$RES"/hybrid_bench.log; do
         [ -s "$log" ] && echo "$(basename "$log"): $(tr '\r' '\n' < "$log" | grep -v '^\s*$' | tail -n 1 | cut -c1-200)"
       done
       nvidia-smi --query-gpu=index,utilization.gpu,memory.used --format=csv,noheader | tr '\n' ' '
@@ -204,13 +220,8 @@ case "$STAGE" in
     cd "$REPO" && OUT=$RES/disagg timeout 480 bash benchmarks/disagg_bench.sh 2>&1 | tail -12
     ;;
   hybrid)
-    # fla's wheels go to their own directory: the main jobs above must not bind its kernels.
-    rm -rf /tmp/fla_whl && cp -r .fla /tmp/fla_whl
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/fla_site .fla/*.whl
-    bg hybrid "cd $REPO && export PYTHONPATH=$REPO/src:$SITE OUT=$RES/hybrid && mkdir -p $RES/hybrid && \
-      python3 benchmarks/hybrid_bench.py --wheels /tmp/fla_whl --kernels fla --child-timeout 300 && \
-      { [ '${TESTS:-tests/}' = none ] || PYTHONPATH=$REPO/src:$SITE:/tmp/fla_site timeout 240 \
-        python3 -m pytest -q -m gpu -p no:cacheprovider ${TESTS:-tests/}; }"
+    install_fla
+    bg hybrid "cd $REPO && export PYTHONPATH=$REPO/src:$SITE && $(hybrid_command)"
     echo "started: hybrid benchmark"
     ;;
   *) echo "unknown stage $STAGE"; exit 2 ;;
