@@ -264,6 +264,26 @@ def test_flex_and_dense_drafter_forward_agree(sliding, tile):
     torch.testing.assert_close(outputs["flex"], outputs["sdpa"], rtol=1e-5, atol=1e-5)
 
 
+def test_attend_tells_flex_the_lengths_are_whole_tiles_only_when_they_are(monkeypatch):
+    """IS_DIVISIBLE (no bounds checks in flex's kernels) goes with the caller's options exactly when the query and key
+    lengths are multiples of 128; a wrong True would read and write past the tensors."""
+    import torch.nn.attention.flex_attention as flex_module
+
+    seen = []
+    monkeypatch.setattr(
+        flex_module,
+        "flex_attention",
+        lambda q, *args, kernel_options=None, **kw: seen.append(kernel_options) or torch.zeros_like(q),
+    )
+    mask = object()  # not read by the recording stand-in
+    for q_len, kv_len in ((128, 384), (128, 200), (96, 256)):
+        q, k = torch.zeros(1, 4, q_len, 8), torch.zeros(1, 2, kv_len, 8)
+        attend(q, k, k, mask, "flex", 1.0, {"bwd_num_warps": 4})
+    assert seen == [{"bwd_num_warps": 4, "IS_DIVISIBLE": True}, {"bwd_num_warps": 4}, {"bwd_num_warps": 4}]
+    attend(torch.zeros(1, 4, 128, 8), torch.zeros(1, 2, 256, 8), torch.zeros(1, 2, 256, 8), mask, "flex", 1.0)
+    assert seen[-1] == {"IS_DIVISIBLE": True}
+
+
 def test_flex_kernel_options_reach_every_flex_call_and_change_nothing(monkeypatch):
     """`drafter.flex_kernel_options` (set_flex_kernel_options) is handed to flex_attention in every layer, and the
     options the config accepts are speed-only: the output is the same as with none."""

@@ -154,7 +154,9 @@ def test_the_data_stage_builds_flex_tables_of_the_configured_tile(tmp_path):
         load_config(recipe, ["drafter.flex_tile=64"])
     with pytest.raises(ConfigError, match=r"drafter\.block_size: must be <= drafter\.flex_tile"):
         load_config(recipe, ["drafter.block_size=130"])
-    with pytest.raises(ConfigError, match=r"drafter\.flex_kernel_options\.bwd_BLOCK_N1: must be a power of two"):
+    with pytest.raises(
+        ConfigError, match=r"drafter\.flex_kernel_options\.bwd_BLOCK_N1: must be a power of two from 16 to 128"
+    ):
         load_config(recipe, ["drafter.flex_kernel_options.bwd_BLOCK_N1=96"])
     with pytest.raises(ConfigError, match=r"drafter\.flex_kernel_options\.PRESCALE_QK: unknown or unsupported"):
         load_config(recipe, ["drafter.flex_kernel_options.PRESCALE_QK=true"])  # rounds differently: not offered

@@ -49,8 +49,9 @@ def flex_kernel_option_problem(name: str, value: object) -> str | None:
         return None if isinstance(value, bool) else f"must be true or false, got {value!r}"
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         return f"must be a positive integer, got {value!r}"
-    if base in _TILE_OPTIONS and (value < 16 or value & (value - 1)):
-        return f"must be a power of two >= 16, got {value}"
+    # At most 128: lengths that are multiples of 128 are whole tiles (model/attention.py: WHOLE_TILES).
+    if base in _TILE_OPTIONS and (not 16 <= value <= 128 or value & (value - 1)):
+        return f"must be a power of two from 16 to 128, got {value}"
     return None
 
 

@@ -356,6 +356,16 @@ def build_masks(
     return DrafterMasks(backend=backend, by_variant=built)
 
 
+# Query and key lengths that flex's kernels may take as whole tiles: Inductor tests lengths against 128 to set the
+# kernels' IS_DIVISIBLE (no bounds check on any load or store), which it can only prove for static sizes. The
+# compiled layers run with symbolic sizes, so flex bounds-checked everything: 48.6 against 33.8 ms per step of
+# five layers at the paper shape, forward and backward (benchmarks/flex_kernel_bench.py --layouts, 2026-12-01).
+# The data stage pads rows and anchor slots to whole buckets (GPU defaults: 128 tokens, 16 anchors of 16), so the
+# lengths are multiples of 128; `attend` checks it per call, which under dynamo is one guard on the symbolic sizes
+# (a batch that breaks it compiles the checked variant once, never runs the unchecked one).
+WHOLE_TILES = 128
+
+
 def attend(
     q: Tensor,
     k: Tensor,
@@ -377,7 +387,10 @@ def attend(
         # inside a compiled region (compiled drafter layers), which compiles it with the rest.
         compile_here = q.device.type == "cuda" and not torch.compiler.is_compiling()
         fn = compiled_flex_attention() if compile_here else flex_attention
-        return fn(q, k, v, block_mask=mask, scale=scale, enable_gqa=enable_gqa, kernel_options=kernel_options or None)
+        options = dict(kernel_options or {})
+        if q.shape[-2] % WHOLE_TILES == 0 and k.shape[-2] % WHOLE_TILES == 0:
+            options["IS_DIVISIBLE"] = True
+        return fn(q, k, v, block_mask=mask, scale=scale, enable_gqa=enable_gqa, kernel_options=options or None)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=enable_gqa)
 
 
