@@ -154,12 +154,19 @@ def test_gpu_step_has_no_recompiles_after_the_first_shapes(tmp_path):
     target = save_tiny_target(tmp_path / "target")
     shards = write_counting_shards(tmp_path / "shards", num_samples=96)
     recipe = write_recipe(tmp_path / "r.yaml", tmp_path / "run", target, shards, train={"max_steps": 12})
-    # Row buckets finer than the GPU default (128 tokens) and rows of up to 96 tokens, so that these short documents
-    # meet several shapes (rows of 64 tokens are always full: one shape, checked on CPU). Anchor slots in the
-    # default buckets of 16 (256 queries): below 128 queries flex picks its decoding kernel and guards on it, and
-    # a single query tile is a size-1 dimension, which dynamo specialises; real batches never have either, and
-    # with 4-anchor buckets the first batch had both (2026-12-01: one recompile when the slots grew 6 -> 8).
-    overrides = ["target.device=cuda", "data.seq_multiple=16", "data.anchor_multiple=16", "data.max_seq_len=96"]
+    # Short documents in rows of up to 96 tokens padded to 128, up to 32 anchors per document in slots of 32 (blocks
+    # of 4: 128 queries a bucket), so the batches meet several anchor counts (256 and 384 queries). Real batches
+    # have whole flex tiles of queries and keys (GPU defaults: 128 tokens, 16 anchors of 16) and more than one
+    # query tile, and so does this case: below 128 queries flex picks its decoding kernel and guards on it, lengths
+    # that are whole tiles in one batch and not in another compile each variant once (attend's IS_DIVISIBLE), and a
+    # single query tile is a size-1 dimension, which dynamo specialises.
+    overrides = [
+        "target.device=cuda",
+        "data.seq_multiple=128",
+        "data.anchor_multiple=32",
+        "data.max_anchors=32",
+        "data.max_seq_len=96",
+    ]
     trainer = Trainer(load_config(recipe, overrides), log=lambda _: None)
     trainer.start_log_window()
     shapes, compiled_at = [], []
