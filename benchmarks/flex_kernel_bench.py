@@ -179,7 +179,8 @@ def main() -> None:
     for r in results:
         if "outputs" in r:
             r["max_abs_diff"] = max(
-                float((a.float() - b.float()).abs().max()) for a, b in zip(reference, r.pop("outputs"), strict=True)
+                float((a.detach().float() - b.detach().float()).abs().max())
+                for a, b in zip(reference, r.pop("outputs"), strict=True)
             )
     timed_ok = [r for r in results if "fwd_bwd_ms" in r]
     print(f"\n{'candidate':<100} {'fwd ms':>7} {'bwd ms':>7} {'x5 ms':>7} {'diff':>8}")
