@@ -70,7 +70,7 @@ bench_on() {
   for setting in $settings; do
     if [ "$setting" = paper ] && [ "${FLEX_SWEEP:-1}" = 1 ]; then
       # flex's kernel options on the paper setting's mask first; the fastest becomes the phase flex_best.
-      chain+="CUDA_VISIBLE_DEVICES=$1 timeout 420 python3 benchmarks/flex_kernel_bench.py --autotune \
+      chain+="rm -f $RES/flex_best.overrides; CUDA_VISIBLE_DEVICES=$1 timeout 420 python3 benchmarks/flex_kernel_bench.py --autotune \
         --out $RES/flex_kernels.json --best $RES/flex_best.overrides > $RES/flex_kernel_bench.log 2>&1; \
         best=\$(cat $RES/flex_best.overrides 2>/dev/null); \
         export PAPER_EXTRA=\${best:+\"flex_best:\$best;flex_best_chunk128:\$best,loss.chunk_blocks=128\"};"
@@ -154,10 +154,16 @@ case "$STAGE" in
     # overrides from the numbers); BENCH_FIRST names the settings (smollm2, paper or both).
     : "${BENCH_FIRST:?BENCH_FIRST names the settings: smollm2, paper or both}"
     if [ -d .peer/whl ]; then rm -rf "$REPO/.peer" && cp -r .peer "$REPO/"; fi
-    hybrid="true"
-    if [ "${THEN_HYBRID:-0}" = 1 ]; then install_fla && hybrid="{ $(hybrid_command); } > $RES/hybrid_bench.log 2>&1"; fi
+    hybrid="true" then=""
+    if [ "${THEN_HYBRID:-0}" = 1 ]; then
+      if install_fla; then
+        hybrid="{ $(hybrid_command); } > $RES/hybrid_bench.log 2>&1" then=", then the hybrid benchmark"
+      else
+        echo "the fla wheels (.fla) did not install: no hybrid benchmark"
+      fi
+    fi
     bg bench "cd $REPO && export PYTHONPATH=$REPO/src:$SITE OMP_NUM_THREADS=8 FLEX_FLAGS='${FLEX_FLAGS:-}' && $(bench_on 0) $hybrid"
-    echo "started: benchmarks ($BENCH_FIRST${THEN_HYBRID:+, then the hybrid benchmark}) on GPU 0"
+    echo "started: benchmarks ($BENCH_FIRST$then) on GPU 0"
     ;;
   wait)
     deadline=$((SECONDS + ${2:-540}))

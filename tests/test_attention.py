@@ -284,9 +284,11 @@ def test_attend_tells_flex_the_lengths_are_whole_tiles_only_when_they_are(monkey
     assert seen[-1] == {"IS_DIVISIBLE": True}
 
 
-def test_flex_kernel_options_reach_every_flex_call_and_change_nothing(monkeypatch):
-    """`drafter.flex_kernel_options` (set_flex_kernel_options) is handed to flex_attention in every layer, and the
-    options the config accepts are speed-only: the output is the same as with none."""
+def test_flex_kernel_options_reach_every_flex_call(monkeypatch):
+    """`drafter.flex_kernel_options` (set_flex_kernel_options) is handed to flex_attention in every layer. (Eager
+    flex on the CPU ignores kernel options, so the equal outputs only show that the plumbing changes nothing
+    else; that the options are speed-only is flex's contract, timed and compared on the GPU by
+    benchmarks/flex_kernel_bench.py.)"""
     import torch.nn.attention.flex_attention as flex_module
 
     config = tiny_drafter_config()
@@ -310,7 +312,7 @@ def test_flex_kernel_options_reach_every_flex_call_and_change_nothing(monkeypatc
         return real_flex(*args, kernel_options=kernel_options, **kwargs)
 
     monkeypatch.setattr(flex_module, "flex_attention", recording_flex)
-    options = {"ROWS_GUARANTEED_SAFE": True, "bwd_BLOCK_M1": 32, "bwd_num_warps": 4}
+    options = {"bwd_WRITE_DQ": False, "bwd_BLOCK_M1": 32, "bwd_num_warps": 4}
     outputs = []
     for given in ({}, options):
         drafter.set_flex_kernel_options(given)

@@ -49,7 +49,13 @@ from .config import ConfigError, RunConfig, load_config
 from .data.shards import ShardWriter
 from .kernel_profile import KernelProfile, format_profile, profile_kernels
 from .target.loader import LoadedTarget, quantize_target_to_fp8
-from .train.metrics import CompileWatch, allocator_retries, measured_peak_flops, triton_cache_entries
+from .train.metrics import (
+    CompileWatch,
+    allocator_retries,
+    measured_peak_flops,
+    triton_cache_dir,
+    triton_cache_entries,
+)
 from .train.profiler import StageProfiler
 from .train.trainer import StepWork, Trainer
 
@@ -206,16 +212,17 @@ def time_steps(
     sync()
     compiles, retries = CompileWatch(), allocator_retries(device) or 0
     times, tokens, blocks, step_compiles, step_triton = [], [], [], [], []
+    triton_cache = triton_cache_dir()  # after warm-up: where Inductor pointed Triton, if it ran a kernel
     for _ in range(steps):
         work = next(works)
         sync()
-        triton_before = triton_cache_entries()
+        triton_before = triton_cache_entries(triton_cache)
         start = time.perf_counter()
         run(work)
         sync()
         times.append(time.perf_counter() - start)
         step_compiles.append(compiles.take()[2])
-        triton_after = triton_cache_entries()
+        triton_after = triton_cache_entries(triton_cache)
         step_triton.append(None if triton_before is None or triton_after is None else triton_after - triton_before)
         tokens.append(sum(b.num_tokens for b in work.batches))
         blocks.append(sum(b.num_blocks for b in work.batches))

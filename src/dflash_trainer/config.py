@@ -19,7 +19,6 @@ from typing import Any, Literal, get_args, get_origin
 import yaml
 
 from .errors import UserError
-from .flex import flex_kernel_option_problem
 
 
 class ConfigError(UserError, ValueError):
@@ -44,6 +43,35 @@ class TargetConfig:
     # recipes/bench-qwen3-8b.yaml). Evaluation and regeneration run the layers as loaded. Off by default until
     # measured on the SmolLM2 recipe.
     compile: bool = False
+
+
+# flex_attention's kernel options (torch's `FlexKernelOptions`) that `drafter.flex_kernel_options` may set: those
+# that change how fast the kernels run and never what they compute: tiles (powers of two, at most the flex tile:
+# model/attention.py tells flex that lengths in multiples of 128 are whole tiles), warps, pipeline stages, and
+# flags that move work between loops or load differently. Left out on purpose: PRESCALE_QK (rounds differently);
+# ROWS_GUARANTEED_SAFE, which needs a visible key in the first key chunk each query row visits, not only somewhere
+# (the drafter's rows of dropped anchors, of tile-aligned anchors and of a tile's second document start with a
+# masked chunk: NaN); BLOCKS_ARE_CONTIGUOUS (false here); the backend switches.
+FLEX_TILE_OPTIONS = ("BLOCK_M", "BLOCK_N", "BLOCK_M1", "BLOCK_N1", "BLOCK_M2", "BLOCK_N2")
+FLEX_COUNT_OPTIONS = ("num_warps", "num_stages")
+FLEX_FLAG_OPTIONS = ("WRITE_DQ", "USE_TMA")
+FLEX_KERNEL_OPTIONS = FLEX_TILE_OPTIONS + FLEX_COUNT_OPTIONS + FLEX_FLAG_OPTIONS
+
+
+def flex_kernel_option_problem(name: str, value: object, *, tile: int = 128) -> str | None:
+    """What is wrong with kernel option `name` = `value` for BlockMasks of `tile` (None: nothing). A name may
+    carry one of torch's prefixes `fwd_` or `bwd_`, which apply it to one direction only."""
+    base = name.split("_", 1)[1] if name.startswith(("fwd_", "bwd_")) else name
+    if base not in FLEX_KERNEL_OPTIONS:
+        known = ", ".join(FLEX_KERNEL_OPTIONS)
+        return f"unknown or unsupported flex kernel option (known, optionally fwd_/bwd_-prefixed: {known})"
+    if base in FLEX_FLAG_OPTIONS:
+        return None if isinstance(value, bool) else f"must be true or false, got {value!r}"
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        return f"must be a positive integer, got {value!r}"
+    if base in FLEX_TILE_OPTIONS and (not 16 <= value <= tile or value & (value - 1)):
+        return f"must be a power of two from 16 to the flex tile ({tile}), got {value}"
+    return None
 
 
 @dataclass
@@ -88,7 +116,8 @@ class DrafterConfig:
     # Tiles, warps and stages of the drafter's flex_attention kernels (torch's `FlexKernelOptions`, names as there,
     # `fwd_`/`bwd_` prefixes for one direction: `bwd_BLOCK_M1=32`); empty: Inductor's choice for the GPU (Hopper,
     # head dim 128: forward 128 x 64, backward 64/128/128/64 in 3 stages of 8 warps). Only options that change
-    # speed, never results (flex.KERNEL_OPTIONS); benchmarks/flex_kernel_bench.py measures candidates.
+    # speed, never results (FLEX_KERNEL_OPTIONS); benchmarks/flex_kernel_bench.py measures candidates (2026-12-01,
+    # paper setting: none beat the default).
     flex_kernel_options: dict[str, int | bool] = field(default_factory=dict)
 
     def validate(self) -> None:
@@ -107,7 +136,7 @@ class DrafterConfig:
             "drafter.compile_mode=max-autotune-no-cudagraphs",
         )
         for name, value in self.flex_kernel_options.items():
-            problem = flex_kernel_option_problem(name, value)
+            problem = flex_kernel_option_problem(name, value, tile=self.flex_tile)
             _require(problem is None, f"drafter.flex_kernel_options.{name}", problem or "")
         # A block must fit in a query tile: the tile tables count each block in the tiles of its first and last
         # query only (model/attention.py: tile_tables).

@@ -27,34 +27,6 @@ def ordered_tiles(selected: Tensor) -> tuple[Tensor, Tensor]:
     return count.unsqueeze(1), order.unsqueeze(1)
 
 
-# flex_attention's kernel options (torch's `FlexKernelOptions`) that change how fast its kernels run and never what
-# they compute: tiles (powers of two), warps, pipeline stages, and flags that are true of every drafter mask or
-# move work between loops. Left out on purpose: PRESCALE_QK (rounds differently), BLOCKS_ARE_CONTIGUOUS (false
-# here: a query tile visits its context tiles and, far from them, its own block's), the backend switches.
-_TILE_OPTIONS = ("BLOCK_M", "BLOCK_N", "BLOCK_M1", "BLOCK_N1", "BLOCK_M2", "BLOCK_N2")
-_COUNT_OPTIONS = ("num_warps", "num_stages")
-# Every drafter query sees at least its own block slot (mask_from_ranges), so no row is fully masked.
-_FLAG_OPTIONS = ("ROWS_GUARANTEED_SAFE", "WRITE_DQ", "USE_TMA")
-KERNEL_OPTIONS = _TILE_OPTIONS + _COUNT_OPTIONS + _FLAG_OPTIONS
-
-
-def flex_kernel_option_problem(name: str, value: object) -> str | None:
-    """What is wrong with kernel option `name` = `value` (None: nothing). Names may carry torch's `fwd_` or `bwd_`
-    prefix, which applies them to one direction only."""
-    base = name.removeprefix("fwd_").removeprefix("bwd_")
-    if base not in KERNEL_OPTIONS:
-        known = ", ".join(KERNEL_OPTIONS)
-        return f"unknown or unsupported flex kernel option (known, optionally fwd_/bwd_-prefixed: {known})"
-    if base in _FLAG_OPTIONS:
-        return None if isinstance(value, bool) else f"must be true or false, got {value!r}"
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        return f"must be a positive integer, got {value!r}"
-    # At most 128: lengths that are multiples of 128 are whole tiles (model/attention.py: WHOLE_TILES).
-    if base in _TILE_OPTIONS and (not 16 <= value <= 128 or value & (value - 1)):
-        return f"must be a power of two from 16 to 128, got {value}"
-    return None
-
-
 @cache
 def compiled_flex_attention() -> Callable:
     """flex_attention compiled once per process (eager flex is a slow reference implementation). dynamic=None: the

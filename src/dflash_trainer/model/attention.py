@@ -360,9 +360,10 @@ def build_masks(
 # kernels' IS_DIVISIBLE (no bounds check on any load or store), which it can only prove for static sizes. The
 # compiled layers run with symbolic sizes, so flex bounds-checked everything: 48.6 against 33.8 ms per step of
 # five layers at the paper shape, forward and backward (benchmarks/flex_kernel_bench.py --layouts, 2026-12-01).
-# The data stage pads rows and anchor slots to whole buckets (GPU defaults: 128 tokens, 16 anchors of 16), so the
-# lengths are multiples of 128; `attend` checks it per call, which under dynamo is one guard on the symbolic sizes
-# (a batch that breaks it compiles the checked variant once, never runs the unchecked one).
+# The data stage pads rows and anchor slots to whole buckets (GPU defaults: 128 tokens, 16 anchors), so with blocks
+# of 8 or 16 the lengths are multiples of 128 (other block sizes keep the checked kernels); `attend` checks it per
+# call, which under dynamo is one guard on the symbolic sizes (a batch that breaks it compiles the checked variant
+# once, never runs the unchecked one).
 WHOLE_TILES = 128
 
 

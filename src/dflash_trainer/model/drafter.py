@@ -244,7 +244,7 @@ class DFlashDrafter(nn.Module):
 
     def set_flex_kernel_options(self, options: dict[str, int | bool]) -> None:
         """Tiles, warps and stages of flex_attention's kernels in every layer (`drafter.flex_kernel_options`,
-        checked by flex.flex_kernel_option_problem); set before the first compiled call, which bakes them in."""
+        checked by config.flex_kernel_option_problem); set before the first compiled call, which bakes them in."""
         for layer in self.layers:
             layer.self_attn.flex_kernel_options = dict(options)
 

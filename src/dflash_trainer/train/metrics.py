@@ -358,12 +358,17 @@ class CompileWatch:
         return frames, seconds, new
 
 
-def triton_cache_entries() -> int | None:
-    """Entries of Triton's on-disk kernel cache (`TRITON_CACHE_DIR`, default ~/.triton/cache), None when it does
-    not exist. The count grows when a Triton kernel is compiled for the first time on this machine: the JIT
-    compiles outside dynamo (flash-linear-attention's kernels, specialised per new argument pattern) that
-    CompileWatch does not see. Reads one directory listing: call it between timed steps, not inside one."""
-    cache = Path(os.environ.get("TRITON_CACHE_DIR") or Path.home() / ".triton" / "cache")
+def triton_cache_dir() -> Path:
+    """Where Triton writes compiled kernels now: `TRITON_CACHE_DIR`, default ~/.triton/cache. Inductor points the
+    variable at its own cache when it first runs a kernel, so read this after warm-up and keep it."""
+    return Path(os.environ.get("TRITON_CACHE_DIR") or Path.home() / ".triton" / "cache")
+
+
+def triton_cache_entries(cache: Path) -> int | None:
+    """Entries of Triton's on-disk kernel cache `cache` (triton_cache_dir), None when it does not exist. The count
+    grows when a Triton kernel is compiled for the first time on this machine, Inductor's or a JIT compile outside
+    dynamo (flash-linear-attention's kernels, specialised per new argument pattern) that CompileWatch does not
+    see. Reads one directory listing: call it between timed steps, not inside one."""
     try:
         return sum(1 for _ in os.scandir(cache))
     except OSError:  # no cache yet, or not readable
