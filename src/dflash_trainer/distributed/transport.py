@@ -294,6 +294,9 @@ class FeatureReceiver:
         self.stats = ReceiveStats()
         self._slots = threading.Semaphore(queue_depth)
         self._arrivals: queue.SimpleQueue[_Arrival] = queue.SimpleQueue()
+        # Batches in `_arrivals` (not the END and end-of-schedule markers, which queue too): `ahead` in the stats.
+        self._batches_queued = 0
+        self._queued_lock = threading.Lock()
         self._thread: threading.Thread | None = None
         self._finished = False
         # CUDA: (event before the stream waits for a payload, event after), until both are done.
@@ -357,14 +360,19 @@ class FeatureReceiver:
     # consumer side -------------------------------------------------------------------------------------------
 
     def _take(self) -> tuple[_Arrival, int]:
-        """(the next arrival, how many arrivals were already queued when asked: 0 means the consumer waits)."""
+        """(the next arrival, how many batches were already queued when asked: 0 means the consumer waits; at most
+        `queue_depth`, the END markers that may queue behind the last batches are not counted)."""
         if self._thread is None:
             raise RuntimeError("FeatureReceiver: call start(order) before recv/drain")
-        ready = self._arrivals.qsize()
+        with self._queued_lock:
+            ready = self._batches_queued
         try:
             arrival = self._arrivals.get(timeout=self.timeout_s)
         except queue.Empty:
             raise TimeoutError(f"no feature batch arrived within placement.timeout_s={self.timeout_s:g}s") from None
+        if arrival.message is not None:
+            with self._queued_lock:
+                self._batches_queued -= 1
         if arrival.error is not None:
             self._finished = True
             raise arrival.error
@@ -398,6 +406,9 @@ class FeatureReceiver:
                 arrival = self._receive(source)
                 if arrival.message is None:
                     ended.add(source)
+                else:
+                    with self._queued_lock:  # counted before it can be taken
+                        self._batches_queued += 1
                 self._arrivals.put(arrival)
             for source in self.sources:
                 if source in ended:
