@@ -56,9 +56,9 @@ bg() {  # name, command...: run in its own session, surviving this call; exit st
 # The speed benchmarks of BENCH_FIRST on GPU $1 ("paper", "smollm2" or both, comma-separated, in that order):
 # with SMOKE_FIRST=1 the GPU smoke tests first; per setting the training step with the kernel profile and the
 # latest ablations (train_bench.sh), and after the paper setting the peer in the same setting when .peer
-# was carried (benchmarks/peer_bench.sh). Before the paper setting (FLEX_SWEEP=0: not) flex_kernel_bench.py times
-# flex's kernel options on its mask; the fastest, alone and with the loss in chunks of 128, become two more
-# ablations, and every paper ablation times its drafter-only step too (ABLATION_DRAFTER_ONLY=0: not). Last, flex
+# was carried (benchmarks/peer_bench.sh). With FLEX_SWEEP=1, before the paper setting flex_kernel_bench.py times
+# flex's kernel options on its mask and the fastest becomes one more ablation (2026-12-01: none beat the default);
+# every paper ablation times its drafter-only step too (ABLATION_DRAFTER_ONLY=0: not). Last, flex
 # attention's masks and tiles at the SmolLM2 shape (FLEX_FLAGS: one run per entry,
 # ';'-separated, "none" for no run; by default at the recipe's density of 64 anchors per document: default
 # kernels, dynamic shapes as in training, tiles of 128 and 64 autotuned).
@@ -68,12 +68,12 @@ bench_on() {
     smoke="CUDA_VISIBLE_DEVICES=$1 $(smoke_command) > $RES/smoke.log 2>&1;"
   fi
   for setting in $settings; do
-    if [ "$setting" = paper ] && [ "${FLEX_SWEEP:-1}" = 1 ]; then
+    if [ "$setting" = paper ] && [ "${FLEX_SWEEP:-0}" = 1 ]; then
       # flex's kernel options on the paper setting's mask first; the fastest becomes the phase flex_best.
       chain+="rm -f $RES/flex_best.overrides; CUDA_VISIBLE_DEVICES=$1 timeout 420 python3 benchmarks/flex_kernel_bench.py --autotune \
         --out $RES/flex_kernels.json --best $RES/flex_best.overrides > $RES/flex_kernel_bench.log 2>&1; \
         best=\$(cat $RES/flex_best.overrides 2>/dev/null); \
-        export PAPER_EXTRA=\${best:+\"flex_best:\$best;flex_best_chunk128:\$best,loss.chunk_blocks=128\"};"
+        export PAPER_EXTRA=\${best:+flex_best:\$best};"
     fi
     # An empty Inductor cache of its own: the first phase's first step and the target's first forward are what a
     # new run on a new machine waits for (issue 10: first step <= 30 s).

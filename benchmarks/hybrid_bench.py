@@ -265,7 +265,6 @@ def train_phase(target, *, steps: int, compile_drafter: bool) -> dict:
     from dflash_trainer.bench import (
         Setting,
         bench_config,
-        describe_step,
         live_steps,
         paper_documents,
         time_steps,
@@ -295,11 +294,7 @@ def train_phase(target, *, steps: int, compile_drafter: bool) -> dict:
         f"target tok/s at the median, MFU {mfu}, peak {phase.peak_mem_gib:.1f} GiB, first step "
         f"{phase.first_step_s:.0f} s; stages (ms): "
         + " ".join(f"{k} {v:.0f}" for k, v in sorted(phase.stages_ms.items(), key=lambda kv: -kv[1])[:4])
-        + "; timed steps (ms): "
-        + ", ".join(
-            describe_step(*step)
-            for step in zip(phase.step_ms, phase.step_compiles, phase.step_triton_compiles, strict=True)
-        )
+        + f"; timed steps (ms): {phase.describe_steps()}"
     )
     return result
 

@@ -5,7 +5,7 @@
 #   SmolLM2 setting: random SmolLM2-135M-shaped target, the GPU recipe's batch shape (recipes/bench-smollm2.yaml)
 # Each ablation is one more end-to-end phase in the same process with one optimisation switched off.
 # STEPS / WARMUP override the step counts; ABLATIONS=0 runs the baselines only, ABLATIONS=new the latest ablations
-# (NEW_ABLATIONS for SmolLM2: changes not yet measured; NEW_PAPER_ABLATIONS: the loss in larger chunks; PAPER_EXTRA:
+# (NEW_ABLATIONS for SmolLM2: changes not yet measured; NEW_PAPER_ABLATIONS: the FP8 target; PAPER_EXTRA:
 # more, from the command line); RUN_TIMEOUT (s, default 200) bounds each setting's process; KERNELS=N also prints each phase's
 # N kernels with the most device time (bench --kernels), and TRACES=1 writes their Chrome traces under
 # $OUT/traces-<setting>/ (tens of MB each); SETTINGS=smollm2 (or paper) runs one setting only.
@@ -28,18 +28,17 @@ NEW_ABLATIONS=(
   --ablation "autotune:drafter.compile_mode=max-autotune-no-cudagraphs"
   --ablation "tile64:drafter.flex_tile=64,drafter.compile_mode=max-autotune-no-cudagraphs"
 )
-# The paper setting's drafter step (2026-12-01: 376.5 ms, 1.04x the peer): the fused loss in chunks of 128 blocks
-# (1,920 slots per LM-head matmul instead of 960; 1,365 anchors pad to 1,408 blocks either way). The target's
-# ablations (eager: 268 against 204 ms compiled; FP8: 144 ms, end to end 1.27x the peer) were measured on
-# 2026-12-01 and are in the full list. PAPER_EXTRA adds ';'-separated NAME:overrides phases (e.g. the fastest
-# flex kernel options from flex_kernel_bench.py --best); ABLATION_DRAFTER_ONLY=1 times each ablation's
-# drafter-only step too (bench --drafter-only-ablations).
+# The paper setting: the FP8 target after the flex fix of a3c844a (before it, 2026-12-01: 525.9 ms end to end, 1.27x
+# the peer). Measured and kept in the full list: the target eager (268 against 204 ms compiled) and the loss in
+# chunks of 128 blocks (364.6 against 364.1 ms drafter only: no gain). PAPER_EXTRA adds ';'-separated
+# NAME:overrides phases (e.g. flex kernel options from flex_kernel_bench.py --best); ABLATION_DRAFTER_ONLY=1 times
+# each ablation's drafter-only step too (bench --drafter-only-ablations).
 NEW_PAPER_ABLATIONS=(
-  --ablation "loss_chunk128:loss.chunk_blocks=128"
-)
-TARGET_PAPER_ABLATIONS=(
-  --ablation "target_eager:target.compile=false"
   --ablation "fp8_target:target.fp8=true"
+)
+MEASURED_PAPER_ABLATIONS=(
+  --ablation "target_eager:target.compile=false"
+  --ablation "loss_chunk128:loss.chunk_blocks=128"
 )
 if [ "${ABLATIONS:-1}" = new ]; then
   SMOLLM2_ABLATIONS=("${NEW_ABLATIONS[@]}")
@@ -54,7 +53,7 @@ elif [ "${ABLATIONS:-1}" != 0 ]; then
     --ablation "no_buckets:data.seq_multiple=1,data.anchor_multiple=1"
     --ablation "cuda_graphs:drafter.compile_mode=reduce-overhead"
   )
-  PAPER_ABLATIONS=("${NEW_PAPER_ABLATIONS[@]}" "${TARGET_PAPER_ABLATIONS[@]}"
+  PAPER_ABLATIONS=("${NEW_PAPER_ABLATIONS[@]}" "${MEASURED_PAPER_ABLATIONS[@]}"
     --ablation "mask_mod_builder:drafter.mask_builder=mask_mod"
     --ablation "eager_loss:loss.compile=false"
   )

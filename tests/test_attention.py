@@ -226,6 +226,20 @@ def test_mask_never_leaves_a_query_without_keys():
     assert masks.for_variant(MaskVariant()).any(dim=-1).all()
 
 
+def drafter_forward(drafter, batch, embed, masks, backend):
+    """The drafter's output on a random packed batch, without gradients."""
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # eager flex warns that it is the unfused reference
+        return drafter(
+            features=batch.features,
+            block_embeds=embed(batch.block_ids),
+            ctx_positions=batch.position_ids,
+            block_positions=batch.block_pos,
+            masks=masks,
+            backend=backend,
+        )
+
+
 @pytest.mark.parametrize("sliding", [False, True])
 @pytest.mark.parametrize("tile", [128, 16])
 def test_flex_and_dense_drafter_forward_agree(sliding, tile):
@@ -251,16 +265,7 @@ def test_flex_and_dense_drafter_forward_agree(sliding, tile):
         )
         if backend == "flex":
             assert (tile, tile) == masks.for_variant(drafter.mask_variants[0]).BLOCK_SIZE
-        with torch.no_grad(), warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # eager flex warns that it is the unfused reference
-            outputs[backend] = drafter(
-                features=batch.features,
-                block_embeds=embed(batch.block_ids),
-                ctx_positions=batch.position_ids,
-                block_positions=batch.block_pos,
-                masks=masks,
-                backend=backend,
-            )
+        outputs[backend] = drafter_forward(drafter, batch, embed, masks, backend)
     torch.testing.assert_close(outputs["flex"], outputs["sdpa"], rtol=1e-5, atol=1e-5)
 
 
@@ -316,18 +321,7 @@ def test_flex_kernel_options_reach_every_flex_call(monkeypatch):
     outputs = []
     for given in ({}, options):
         drafter.set_flex_kernel_options(given)
-        with torch.no_grad(), warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # eager flex warns that it is the unfused reference
-            outputs.append(
-                drafter(
-                    features=batch.features,
-                    block_embeds=embed(batch.block_ids),
-                    ctx_positions=batch.position_ids,
-                    block_positions=batch.block_pos,
-                    masks=masks,
-                    backend="flex",
-                )
-            )
+        outputs.append(drafter_forward(drafter, batch, embed, masks, "flex"))
     assert seen == [None] * config.num_hidden_layers + [options] * config.num_hidden_layers
     torch.testing.assert_close(outputs[1], outputs[0], rtol=0, atol=0)
 
