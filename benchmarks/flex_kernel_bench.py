@@ -15,9 +15,12 @@ estimate, and the largest difference of its outputs and gradients from the first
 tiles change the order of the sums; a candidate further off, or NaN, is never picked). `--autotune` adds
 Inductor's own choice (max-autotune for this graph alone; its log, "AUTOTUNE flex_attention_backward", names the
 configs it timed, on a mask it fills in itself, so its pick is then timed here on the real one). `--layouts` adds
-the default compiled as the trainer's layers run it: symbolic sizes, strided inputs. `--best` writes the fastest
-candidate as dotted overrides (`drafter.flex_kernel_options.KEY=VALUE,...`, empty when the default wins) for a
-bench ablation. A candidate that does not compile (shared memory) is reported and skipped.
+the default compiled as the trainer's layers run it: symbolic sizes, strided inputs, with and without the
+IS_DIVISIBLE that `attend` passes. Each row also reports the median SM clock and power during its timing
+(`gpu_monitor.py`), to compare with the training step's (`dflash-trainer bench` prints them per phase).
+`--layouts training` adds only the layers' layout with IS_DIVISIBLE. `--best` writes the fastest candidate as
+dotted overrides (`drafter.flex_kernel_options.KEY=VALUE,...`, empty when the default wins) for a bench
+ablation. A candidate that does not compile (shared memory) is reported and skipped.
 
 2026-12-01 (BENCHMARKS.md, fifth session): no candidate beat Inductor's default; `--layouts` showed the training
 step's flex 1.44x slower than static sizes, fixed by telling flex its lengths are whole tiles (model/attention.py).
@@ -38,6 +41,7 @@ from torch.nn.attention.flex_attention import flex_attention
 from dflash_trainer.bench import paper_documents
 from dflash_trainer.config import flex_kernel_option_problem
 from dflash_trainer.flex import TILE
+from dflash_trainer.gpu_monitor import GpuMonitor, describe
 from dflash_trainer.model.attention import block_mask_from_tables, mask_from_ranges, tile_tables
 
 HEADS, KV_HEADS, HEAD_DIM, LAYERS = 32, 8, 128, 5
@@ -82,7 +86,12 @@ def main() -> None:
     parser.add_argument("--candidates", type=Path, help="JSON list of kernel-option dicts (default: built in)")
     parser.add_argument("--autotune", action="store_true", help="also time Inductor's max-autotune pick")
     parser.add_argument(
-        "--layouts", action="store_true", help="also the default with symbolic sizes and strided inputs, as in training"
+        "--layouts",
+        nargs="?",
+        const="all",
+        choices=["all", "training"],
+        help="also the default with symbolic sizes and strided inputs (all: with and without IS_DIVISIBLE, and "
+        "each difference alone; training: only the layout the trainer's layers run)",
     )
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--repeats", type=int, default=20)
@@ -140,7 +149,8 @@ def main() -> None:
         try:
             with torch.no_grad():
                 fwd_ms = median_ms(lambda: run(False), args.warmup, args.repeats)
-            both_ms = median_ms(lambda: run(True), args.warmup, args.repeats)
+            with GpuMonitor(device) as monitor:  # the clock flex runs at alone, against the training step's
+                both_ms = median_ms(lambda: run(True), args.warmup, args.repeats)
         except Exception as error:  # e.g. a tile set whose shared memory does not fit
             print(f"{name}: failed: {type(error).__name__}: {str(error)[:300]}", flush=True)
             return {"name": name, "options": options, "error": f"{type(error).__name__}: {str(error)[:300]}"}
@@ -154,12 +164,14 @@ def main() -> None:
             "fwd_tflops": fwd_flop / fwd_ms / 1e9,
             "bwd_tflops": 2.5 * fwd_flop / (both_ms - fwd_ms) / 1e9,
             "compile_and_time_s": time.perf_counter() - started,
+            "sm_clock_mhz": monitor.reading.sm_clock_mhz if monitor.reading else None,
+            "power_w": monitor.reading.power_w if monitor.reading else None,
             "outputs": run(True),
         }
         print(
             f"{name}: fwd {fwd_ms:.3f} ms ({result['fwd_tflops']:.0f} TFLOP/s), bwd {result['bwd_ms']:.3f} ms "
             f"({result['bwd_tflops']:.0f} TFLOP/s), {LAYERS} layers {result['step_ms']:.1f} ms per step "
-            f"[{result['compile_and_time_s']:.0f} s]",
+            f"[{result['compile_and_time_s']:.0f} s; {describe(result['sm_clock_mhz'], result['power_w'])}]",
             flush=True,
         )
         return result
@@ -172,10 +184,13 @@ def main() -> None:
     if args.layouts:
         # What the trainer's compiled layers differ in from the candidates above: symbolic sizes (dynamic=True) and
         # strided q/k/v/grad layouts (2026-12-01: the step's flex took 55 ms per 5 layers, ~1.6x this bench's).
-        for dynamic, arrangement in ((True, "contiguous"), (False, "strided"), (True, "strided")):
+        # The last row is what the layers run since a3c844a: `attend` passes IS_DIVISIBLE for whole-tile lengths.
+        layouts = [(True, "contiguous", {}), (False, "strided", {}), (True, "strided", {})]
+        layouts = [*(layouts if args.layouts == "all" else []), (True, "strided", {"IS_DIVISIBLE": True})]
+        for dynamic, arrangement, options in layouts:
             torch._dynamo.reset()
-            name = f"default, dynamic={dynamic}, {arrangement}"
-            results.append(timed(name, {}, torch.compile(flex_attention, dynamic=dynamic), arrangement))
+            name = f"default, dynamic={dynamic}, {arrangement}" + (", IS_DIVISIBLE" if options else "")
+            results.append(timed(name, options, torch.compile(flex_attention, dynamic=dynamic), arrangement))
     if args.autotune:
         torch._dynamo.reset()
         import torch._inductor.config as inductor_config

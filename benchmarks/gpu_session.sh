@@ -20,6 +20,8 @@
 #                                                alone on GPU 0 (choose the main job's overrides from them;
 #                                                FLEX_FLAGS="a;b" picks flex_mask_bench runs, "none" skips them;
 #                                                THEN_HYBRID=1 [.fla]: the hybrid benchmark after them)
+#                                                (FLEX_LAYOUTS=1: after the paper setting, flex alone in
+#                                                the default static layout and in the layers' one, with clocks)
 #   bash benchmarks/gpu_session.sh wait S                    report every minute for up to S seconds
 #   bash benchmarks/gpu_session.sh collect                   pack logs and results (no weights) into $OUT
 #   bash benchmarks/gpu_session.sh smoke                      the training path's GPU tests (drafter masks and
@@ -84,6 +86,13 @@ bench_on() {
       bash benchmarks/train_bench.sh > $RES/train_bench-$setting.log 2>&1;"
     if [ "$setting" = paper ] && [ -d "$REPO/.peer/whl" ]; then
       chain+="CUDA_VISIBLE_DEVICES=$1 OUT=$RES/peer bash benchmarks/peer_bench.sh > $RES/peer_bench.log 2>&1;"
+    fi
+    if [ "$setting" = paper ] && [ "${FLEX_LAYOUTS:-0}" = 1 ]; then
+      # Flex alone on the paper mask, static against the layout the layers run, with the SM clock of each (the
+      # step's clock is in the bench's output): is the step's slower flex backward the clock or the kernel?
+      chain+="echo '[{}]' > $RES/flex_default.json; CUDA_VISIBLE_DEVICES=$1 timeout 300 python3 \
+        benchmarks/flex_kernel_bench.py --candidates $RES/flex_default.json --layouts training \
+        --out $RES/flex_layouts.json > $RES/flex_kernel_bench.log 2>&1;"
     fi
   done
   echo "$smoke $chain IFS=';'; for flag in \${FLEX_FLAGS:---anchors-per-doc 64;--anchors-per-doc 64 --dynamic;--anchors-per-doc 64 --tiles 128,64 --max-autotune}; do unset IFS; \

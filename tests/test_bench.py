@@ -46,11 +46,21 @@ def test_bench_times_every_phase_and_each_ablations_drafter_step(tmp_path, monke
         steps=2,
         warmup=1,
         out=out,
-        ablations=["small_chunks:loss.chunk_blocks=2"],
+        ablations=["small_chunks:loss.chunk_blocks=2", "target_eager:target.compile=false"],
         drafter_only_ablations=True,
     )
-    names = ["drafter_only", "end_to_end", "drafter_only[small_chunks]", "end_to_end[small_chunks]"]
+    # A target-only ablation leaves the drafter-only step unchanged: only its end-to-end phase runs.
+    names = [
+        "drafter_only",
+        "end_to_end",
+        "drafter_only[small_chunks]",
+        "end_to_end[small_chunks]",
+        "end_to_end[target_eager]",
+    ]
     assert [r.name for r in results] == names
     saved = json.loads(out.read_text())
     assert [r["name"] for r in saved] == names
     assert all(len(r["step_ms"]) == 2 and r["step_ms_median"] > 0 for r in saved)
+    # No nvidia-smi on the CPU: no clock; the compile breakdown is a dict of seconds (empty when nothing compiled).
+    assert all(r["sm_clock_mhz"] is None and r["power_w"] is None for r in saved)
+    assert all(all(s >= 0 for s in r["first_step_compile_stages"].values()) for r in saved)

@@ -226,6 +226,26 @@ def test_triton_cache_entries_counts_the_kernel_cache(tmp_path, monkeypatch):
     assert triton_cache_entries(tmp_path) == 2
 
 
+def test_compile_stages_since_reports_the_seconds_each_stage_gained(monkeypatch):
+    """The breakdown of a first step's compile: per named stage, the seconds dynamo's timers gained since the
+    snapshot (scripted timers here: compiling for real costs tens of seconds on the CPU), autotuning timers by
+    their own name, stages under the floor left out."""
+    from torch._dynamo.utils import compilation_time_metrics
+
+    from dflash_trainer.train.metrics import compile_stages_since, compile_times, describe_compile_stages
+
+    monkeypatch.setitem(compilation_time_metrics, "compile_fx.<locals>.bw_compiler", [4.0])
+    monkeypatch.setitem(compilation_time_metrics, "async_compile.wait", [1.0])
+    before = compile_times()
+    compilation_time_metrics["compile_fx.<locals>.bw_compiler"].append(12.5)
+    compilation_time_metrics["async_compile.wait"].append(0.01)  # under the floor
+    monkeypatch.setitem(compilation_time_metrics, "AlgorithmSelectorCache.autotune", [3.0])
+    stages = compile_stages_since(before)
+    assert stages == {"backward graphs": 12.5, "AlgorithmSelectorCache.autotune": 3.0}
+    assert describe_compile_stages(stages) == "backward graphs 12.5s, AlgorithmSelectorCache.autotune 3.0s"
+    assert describe_compile_stages({}) == "none"
+
+
 def test_bench_phase_keeps_every_timed_step_and_what_compiled_in_it(tmp_path, shards, monkeypatch, capsys):
     """`time_steps` keeps each timed step's ms, the frames dynamo compiled in it and the kernels Triton added to its
     cache (scripted here: 4 in the second step), sums the frames into `recompiles_after_warmup`, and prints the

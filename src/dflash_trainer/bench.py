@@ -47,11 +47,16 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from .config import ConfigError, RunConfig, load_config
 from .data.shards import ShardWriter
+from .gpu_monitor import GpuMonitor
+from .gpu_monitor import describe as describe_clock
 from .kernel_profile import KernelProfile, format_profile, profile_kernels
 from .target.loader import LoadedTarget, quantize_target_to_fp8
 from .train.metrics import (
     CompileWatch,
     allocator_retries,
+    compile_stages_since,
+    compile_times,
+    describe_compile_stages,
     measured_peak_flops,
     triton_cache_dir,
     triton_cache_entries,
@@ -111,6 +116,13 @@ class PhaseResult:
     # cudaMalloc retries of the caching allocator during the timed steps (it frees its cache and retries when a
     # request does not fit: a synchronising, slow path that makes a step near the memory limit erratic).
     alloc_retries: int
+    # Where the first step's compile went (train/metrics.py COMPILE_STAGES, nested: the graphs' seconds contain the
+    # lowering, codegen and Triton waits below them), for the cold first step (issue 10: <= 30 s).
+    first_step_compile_stages: dict[str, float] = field(default_factory=dict)
+    # Median SM clock (MHz) and board power (W) over the timed steps (gpu_monitor.py; None without nvidia-smi): a
+    # step that holds the power limit runs every kernel at a lower clock than a kernel timed alone.
+    sm_clock_mhz: float | None = None
+    power_w: float | None = None
     # Every timed step, in order: its ms, the frames dynamo compiled in it, and the new entries of Triton's disk
     # cache after it (None without one): a slow step that compiled says so.
     step_ms: list[float] = field(default_factory=list)
@@ -207,31 +219,33 @@ def time_steps(
     def run(work: StepWork) -> None:
         trainer._optimizer_step(work.batches, outputs=work.outputs, loss_scale=work.loss_scale)
 
-    started, first_compiles = time.perf_counter(), CompileWatch()
+    started, first_compiles, compile_snapshot = time.perf_counter(), CompileWatch(), compile_times()
     run(next(works))
     sync()
     first_step_s = time.perf_counter() - started
     first_step_compiles, first_step_compile_s, _ = first_compiles.take()
+    first_step_compile_stages = compile_stages_since(compile_snapshot)
     for _ in range(1, warmup):
         run(next(works))
     sync()
     compiles, retries = CompileWatch(), allocator_retries(device) or 0
     times, tokens, blocks, step_compiles, step_triton = [], [], [], [], []
     triton_cache = triton_cache_dir()  # after warm-up: where Inductor pointed Triton, if it ran a kernel
-    for _ in range(steps):
-        work = next(works)
-        sync()
-        triton_before = triton_cache_entries(triton_cache)
-        start = time.perf_counter()
-        run(work)
-        sync()
-        times.append(time.perf_counter() - start)
-        step_compiles.append(compiles.take()[2])
-        triton_after = triton_cache_entries(triton_cache)
-        step_triton.append(None if triton_before is None or triton_after is None else triton_after - triton_before)
-        tokens.append(sum(b.num_tokens for b in work.batches))
-        blocks.append(sum(b.num_blocks for b in work.batches))
-    recompiles = sum(step_compiles)
+    with GpuMonitor(device) as monitor:
+        for _ in range(steps):
+            work = next(works)
+            sync()
+            triton_before = triton_cache_entries(triton_cache)
+            start = time.perf_counter()
+            run(work)
+            sync()
+            times.append(time.perf_counter() - start)
+            step_compiles.append(compiles.take()[2])
+            triton_after = triton_cache_entries(triton_cache)
+            step_triton.append(None if triton_before is None or triton_after is None else triton_after - triton_before)
+            tokens.append(sum(b.num_tokens for b in work.batches))
+            blocks.append(sum(b.num_blocks for b in work.batches))
+    recompiles, clock = sum(step_compiles), monitor.reading
     retries = (allocator_retries(device) or 0) - retries
     trainer._settle_flags()
     median = statistics.median(times)
@@ -271,6 +285,9 @@ def time_steps(
         first_step_compiles=first_step_compiles,
         first_step_compile_s=first_step_compile_s,
         recompiles_after_warmup=recompiles,
+        first_step_compile_stages=first_step_compile_stages,
+        sm_clock_mhz=clock.sm_clock_mhz if clock else None,
+        power_w=clock.power_w if clock else None,
         alloc_retries=retries,
         step_ms=[1e3 * t for t in times],
         step_compiles=step_compiles,
@@ -387,7 +404,9 @@ def run_bench(
             trainer = Trainer(config, target=target, log=print)
             trainer.start_log_window()
             suffix = f"[{name}]" if name else ""
-            if index == 0 or drafter_only_ablations:
+            # An ablation of the target alone (`target.*`) leaves the drafter-only step as it was: not timed again.
+            target_only = bool(extra) and all(override.startswith("target.") for override in extra)
+            if index == 0 or (drafter_only_ablations and not target_only):
                 batch = trainer.make_batch(next(iter(trainer.sampler)))
                 if index == 0:
                     print(
@@ -396,7 +415,7 @@ def run_bench(
                         f"{batch.anchors.shape[1]} anchor slots per row), block {trainer.model_config.block_size}, "
                         f"drafter layers {trainer.model_config.num_hidden_layers}, backend {trainer.backend}"
                     )
-                started, watch = time.perf_counter(), CompileWatch()
+                started, watch, snapshot = time.perf_counter(), CompileWatch(), compile_times()
                 features = trainer.capture.capture(batch.input_ids, batch.position_ids, batch.doc_ids)
                 if device.type == "cuda":
                     torch.cuda.synchronize(device)
@@ -405,7 +424,8 @@ def run_bench(
                 # drafter-only phase's first step.
                 print(
                     f"bench: the target's first forward {time.perf_counter() - started:.1f}s ({frames} frames "
-                    f"compiled, {compile_s:.1f}s in dynamo's compile)"
+                    f"compiled, {compile_s:.1f}s in dynamo's compile: "
+                    f"{describe_compile_stages(compile_stages_since(snapshot))})"
                 )
                 work = StepWork(batches=[batch], outputs=[None], loss_scale=1.0)
                 record(
@@ -450,6 +470,10 @@ def print_phase(r: PhaseResult) -> None:
         f"first step {r.first_step_s:.1f}s ({r.first_step_compiles} frames compiled, {r.first_step_compile_s:.1f}s in "
         f"dynamo's compile) | recompiles {r.recompiles_after_warmup} | "
         f"alloc retries {r.alloc_retries}"
+    )
+    print(
+        f"{'':>32}  first step's compile: {describe_compile_stages(r.first_step_compile_stages)}; timed steps at "
+        f"{describe_clock(r.sm_clock_mhz, r.power_w)}"
     )
     if r.step_ms and (max(r.step_ms) > 1.2 * min(r.step_ms) or any(r.step_compiles) or any(r.step_triton_compiles)):
         # Uneven or compiling steps: each one, to tell a slow steady state from a few hit steps.

@@ -305,7 +305,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument(
         "--drafter-only-ablations",
         action="store_true",
-        help="time each ablation's drafter-only step too (the drafter's settings: flex kernels, loss chunks)",
+        help="time each ablation's drafter-only step too (the drafter's settings: flex kernels, loss chunks; "
+        "not for an ablation of target.* settings alone)",
     )
     bench.add_argument(
         "--kernels",

@@ -358,6 +358,45 @@ class CompileWatch:
         return frames, seconds, new
 
 
+# Where a compile spends its seconds: dynamo's timers (`compilation_time_metrics`, process-wide) named by what
+# they time. They nest: the forward and backward compilers each contain their own lowering, kernel code generation,
+# wait for the Triton compile workers and module load, and all of it is inside dynamo's `_compile` (CompileWatch).
+COMPILE_STAGES = {
+    "dynamo tracing": "bytecode_tracing",
+    "AOT autograd trace": "aot_trace_joint_graph",
+    "forward graphs": "compile_fx.<locals>.fw_compiler_base",
+    "backward graphs": "compile_fx.<locals>.bw_compiler",
+    "Inductor lowering": "GraphLowering.run",
+    "kernel codegen": "Scheduler.codegen",
+    "waiting for Triton compiles": "async_compile.wait",
+    "loading compiled modules": "PyCodeCache.load_by_key_path",
+}
+
+
+def compile_times() -> dict[str, tuple[int, float]]:
+    """Every dynamo/Inductor timer so far: name -> (calls, seconds). A snapshot for `compile_stages_since`."""
+    from torch._dynamo.utils import compilation_time_metrics
+
+    return {name: (len(times), float(sum(times))) for name, times in compilation_time_metrics.items()}
+
+
+def compile_stages_since(before: dict[str, tuple[int, float]], *, min_s: float = 0.05) -> dict[str, float]:
+    """Seconds per COMPILE_STAGES entry since the snapshot `before`, plus any autotuning or benchmarking timer
+    (named as dynamo names it), each left out under `min_s`. For a first step's compile: which stage to attack."""
+    now = compile_times()
+
+    def spent(name: str) -> float:
+        return max(0.0, now.get(name, (0, 0.0))[1] - before.get(name, (0, 0.0))[1])
+
+    stages = {label: spent(name) for label, name in COMPILE_STAGES.items()}
+    stages.update({name: spent(name) for name in now if "autotun" in name.lower() or "benchmark" in name.lower()})
+    return {label: round(seconds, 2) for label, seconds in stages.items() if seconds >= min_s}
+
+
+def describe_compile_stages(stages: dict[str, float]) -> str:
+    return ", ".join(f"{label} {seconds:.1f}s" for label, seconds in stages.items()) or "none"
+
+
 def triton_cache_dir() -> Path:
     """Where Triton writes compiled kernels now: `TRITON_CACHE_DIR`, default ~/.triton/cache. Inductor points the
     variable at its own cache when it first runs a kernel, so read this after warm-up and keep it."""
