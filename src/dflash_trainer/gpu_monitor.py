@@ -58,7 +58,7 @@ def summarize(samples: list[tuple[float, float]]) -> ClockReading | None:
 
 
 def device_selector(device: torch.device) -> str | None:
-    """`nvidia-smi -i` argument for a CUDA device: its UUID (the index differs under CUDA_VISIBLE_DEVICES)."""
+    """`nvidia-smi --id` value for a CUDA device: its UUID (the index differs under CUDA_VISIBLE_DEVICES)."""
     if device.type != "cuda" or not torch.cuda.is_available():
         return None
     uuid = str(getattr(torch.cuda.get_device_properties(device), "uuid", "") or "")

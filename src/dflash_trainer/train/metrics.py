@@ -373,20 +373,20 @@ COMPILE_STAGES = {
 }
 
 
-def compile_times() -> dict[str, tuple[int, float]]:
-    """Every dynamo/Inductor timer so far: name -> (calls, seconds). A snapshot for `compile_stages_since`."""
+def compile_times() -> dict[str, float]:
+    """Every dynamo/Inductor timer so far: name -> seconds. A snapshot for `compile_stages_since`."""
     from torch._dynamo.utils import compilation_time_metrics
 
-    return {name: (len(times), float(sum(times))) for name, times in compilation_time_metrics.items()}
+    return {name: float(sum(times)) for name, times in compilation_time_metrics.items()}
 
 
-def compile_stages_since(before: dict[str, tuple[int, float]], *, min_s: float = 0.05) -> dict[str, float]:
+def compile_stages_since(before: dict[str, float], *, min_s: float = 0.05) -> dict[str, float]:
     """Seconds per COMPILE_STAGES entry since the snapshot `before`, plus any autotuning or benchmarking timer
     (named as dynamo names it), each left out under `min_s`. For a first step's compile: which stage to attack."""
     now = compile_times()
 
     def spent(name: str) -> float:
-        return max(0.0, now.get(name, (0, 0.0))[1] - before.get(name, (0, 0.0))[1])
+        return max(0.0, now.get(name, 0.0) - before.get(name, 0.0))
 
     stages = {label: spent(name) for label, name in COMPILE_STAGES.items()}
     stages.update({name: spent(name) for name in now if "autotun" in name.lower() or "benchmark" in name.lower()})
