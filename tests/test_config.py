@@ -43,6 +43,7 @@ def test_int_is_accepted_for_float_but_not_the_reverse():
         ("metrics.log_every=0", r"metrics\.log_every: must be >= 1"),
         ("optim.betas=[0.9,1.5]", r"optim\.betas: must be in \[0, 1\)"),
         ("drafter.target_layer_ids=[]", r"drafter\.target_layer_ids: must name at least one layer"),
+        ("drafter.target_layer_ids=[3,1,3]", r"drafter\.target_layer_ids: \[3, 1, 3\] repeats a layer"),
         ("eval.num_prompts=0", r"eval\.num_prompts: must be >= 1"),
         ("optim.lr=[", r"optim\.lr: cannot parse value '\[' as YAML"),
         ("optim.lr=" + "[" * 5000, r"optim\.lr: cannot parse value"),

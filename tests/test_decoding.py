@@ -68,7 +68,7 @@ def sliding_drafter(model, device: str = "cpu") -> DFlashDrafter:
         num_layers=2,
         block_size=4,
         mask_token_id=VOCAB - 1,
-        num_target_features=2,
+        target_layer_ids=[1, 2],  # the 4-layer targets' default spread of 2 would repeat layer 1
         sliding_layers=(0,),
         sliding_window=5,
     )

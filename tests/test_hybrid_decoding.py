@@ -345,7 +345,7 @@ def test_evaluation_of_a_hybrid_target_reports_tau_and_checks_losslessness(
     target = cpu_target(tiny_qwen3_5, tiny_chat_tokenizer, "tiny-hybrid")
     drafter = DFlashDrafter(
         DrafterModelConfig.from_target(
-            tiny_qwen3_5.config, num_layers=1, block_size=4, mask_token_id=5, num_target_features=2
+            tiny_qwen3_5.config, num_layers=1, block_size=4, mask_token_id=5, target_layer_ids=[1, 2]
         )
     )
     path = tmp_path / "prompts.jsonl"

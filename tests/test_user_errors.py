@@ -236,6 +236,11 @@ def tiny_run(tmp_path: Path, **sections) -> object:
     [
         ({"mask_token_id": VOCAB - 2}, r"drafter\.mask_token_id=126 is the target's stop token '<eos>'"),
         ({"target_layer_ids": [1, 5]}, r"drafter: target_layer_ids \[1, 5\]: taps must lie in 0\.\.4; layer 5"),
+        # The default spread over 6 layers repeats one for 4 features (1..L-3 holds 3 layers).
+        (
+            {"num_target_features": 4},
+            r"drafter: target_layer_ids \[1, 2, 2, 3\] repeat a layer: the 6-layer target has 3 layers",
+        ),
     ],
 )
 def test_drafter_settings_are_checked_before_any_data_work(tmp_path, drafter, message):

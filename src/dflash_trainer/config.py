@@ -127,6 +127,11 @@ class DrafterConfig:
         if self.target_layer_ids is not None:
             _require(bool(self.target_layer_ids), "drafter.target_layer_ids", "must name at least one layer")
             _require(min(self.target_layer_ids) >= 0, "drafter.target_layer_ids", "layer ids must be >= 0")
+            _require(
+                len(set(self.target_layer_ids)) == len(self.target_layer_ids),
+                "drafter.target_layer_ids",
+                f"{self.target_layer_ids} repeats a layer (each tap is one feature of the context projection)",
+            )
         _require(self.mask_token_id is None or self.mask_token_id >= 0, "drafter.mask_token_id", "must be >= 0")
         _require(self.flex_tile in (64, 128), "drafter.flex_tile", f"must be 64 or 128, got {self.flex_tile}")
         _require(

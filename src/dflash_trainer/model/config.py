@@ -63,6 +63,13 @@ class DrafterModelConfig:
         if not 0 <= self.mask_token_id < self.vocab_size:
             raise ValueError(f"mask_token_id {self.mask_token_id} outside the vocabulary [0, {self.vocab_size})")
         last = self.num_target_layers - 1
+        if len(set(self.target_layer_ids)) != len(self.target_layer_ids):
+            # The default spread repeats layers when K exceeds the L-3 layers from 1 to L-3 (K=2 on 4 layers).
+            raise ValueError(
+                f"target_layer_ids {self.target_layer_ids} repeat a layer: the {self.num_target_layers}-layer "
+                f"target has {max(1, self.num_target_layers - 3)} layers to spread taps over (1..L-3); set "
+                "drafter.num_target_features to at most that, or name distinct drafter.target_layer_ids"
+            )
         if not self.target_layer_ids or max(self.target_layer_ids) >= last or min(self.target_layer_ids) < 0:
             # Engines capture a layer's output as the input of the next one; the last layer has none (DESIGN §2).
             raise ValueError(
