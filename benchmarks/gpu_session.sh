@@ -30,7 +30,8 @@
 #   [SETTINGS=...] bash benchmarks/gpu_session.sh disagg     benchmarks/disagg_bench.sh on both GPUs (after the jobs)
 #   [TESTS=...] bash benchmarks/gpu_session.sh hybrid [.fla]  the hybrid benchmark with fla (the fallback was
 #                                                measured on 2026-11-30), then the GPU tests with fla (TESTS=none:
-#                                                none)
+#                                                none; HYBRID_DOCUMENTS=real: its train phase on documents shaped
+#                                                like real data, per-document groups of many sizes)
 # The device has no internet and none of the data packages: the jobs read the GPU recipe's prompts (the first
 # 48,000 of `mix-math:train`) from `.mix/mix-math-48k.jsonl.gz`, written here by
 #   python -m dflash_trainer.data.prompts mix-math --export .mix/mix-math-48k.jsonl.gz --limit 48000
@@ -107,7 +108,7 @@ install_fla() {
 }
 hybrid_command() {
   echo "mkdir -p $RES/hybrid && OUT=$RES/hybrid python3 benchmarks/hybrid_bench.py --wheels /tmp/fla_whl --kernels fla \
-    --child-timeout 300 && { [ '${TESTS:-tests/}' = none ] || PYTHONPATH=$REPO/src:$SITE:/tmp/fla_site timeout 240 \
+    --documents ${HYBRID_DOCUMENTS:-paper} --child-timeout 300 && { [ '${TESTS:-tests/}' = none ] || PYTHONPATH=$REPO/src:$SITE:/tmp/fla_site timeout 240 \
     python3 -m pytest -q -m gpu -p no:cacheprovider ${TESTS:-tests/}; }"
 }
 

@@ -26,15 +26,18 @@ tap on a target's last layer, hence one layer beyond the tap).
 Phases (each child):
 - `forward`: `FeatureCapture.capture` of one packed 8192-token row of documents 3072 + 3072 + 2048 (the per-document
   path: every document a row of its own, stopping after layer 61), median of timed calls: target tokens/s;
-- `train`: the trainer's end-to-end step in the paper setting (`recipes/bench-qwen3-8b.yaml`: drafter 5 layers,
-  block 16, 455 anchors per document) with data labels (the LM head is not needed, so the target stops after the
-  deepest tap) through `bench.time_steps`: step time min / median / max over the timed steps, and each timed
-  step with the frames dynamo compiled in it and the kernels Triton added to its disk cache (fla's JIT compiles:
-  on 2026-12-01 the median was 5.5 s against a minimum of 1.3 s, with one recompile, unexplained), the caching
-  allocator's cudaMalloc retries in the timed steps (near the memory limit it frees its cache and retries, a slow
-  synchronising path: run with `PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True` when they are not 0), target
-  tokens/s, MFU, peak memory. The drafter layers and the loss run eagerly (compiling them costs each child about
-  25 s of the 3 minutes; `--compile` to do it);
+- `train`: the trainer's end-to-end step in the paper setting (`recipes/bench-qwen3-8b.yaml`: drafter 5 layers, block
+  16, 455 anchors per document; `--documents real`: rows of about 33 documents shaped like the GPU recipe's data
+  instead, whose per-document groups take many sizes, and fla's gate cumsum compiles once per size: see
+  `target/per_document.py`; the timed steps' Triton kernel counts show whether those compiles make the slow steps)
+  with data labels (the LM head is not needed, so the target stops after the deepest tap) through `bench.time_steps`:
+  step time min / median / max over the timed steps, and each timed step with the frames dynamo compiled in it and the
+  kernels Triton added to its disk cache (fla's JIT compiles: on 2026-12-01 the median was 5.5 s against a minimum of
+  1.3 s, with one recompile, unexplained), the caching allocator's cudaMalloc retries in the timed steps (near the
+  memory limit it frees its cache and retries, a slow synchronising path: run with
+  `PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True` when they are not 0), target tokens/s, MFU, peak memory. The
+  drafter layers and the loss run eagerly (compiling them costs each child about 25 s of the 3 minutes; `--compile` to
+  do it);
 - `decode`: the decoding engine on `--rows` prompts of 512 random tokens: plain decoding (CUDA graphs) and
   speculative decoding with a random 5-layer block-16 drafter (tau about 1): ms per decode step and per verify
   step (the verify/decode ratio is the tau a drafter must beat to speed decoding up), and whether the speculative
@@ -142,7 +145,7 @@ def run_children(args: argparse.Namespace) -> int:
         env["PYTHONPATH"] = os.pathsep.join(p for p in paths if p)
         with tempfile.NamedTemporaryFile(suffix=".json") as out:
             command = [sys.executable, __file__, "--child", kernels, "--child-out", out.name, "--rows", str(args.rows)]
-            command += ["--compile"] if args.compile else []
+            command += ["--documents", args.documents, *(["--compile"] if args.compile else [])]
             print(f"=== {kernels} kernels", flush=True)
             try:
                 subprocess.run(command, env=env, timeout=args.child_timeout, check=False)
@@ -182,7 +185,7 @@ def bound_implementation(function: object) -> str:
     return getattr(implementation, "__module__", "unknown")
 
 
-def run_child(kernels: str, out: Path, *, rows: int, compile_drafter: bool) -> None:
+def run_child(kernels: str, out: Path, *, rows: int, compile_drafter: bool, documents: str) -> None:
     if kernels == "torch":
         sys.modules["fla"] = None  # `import fla` raises: transformers binds its PyTorch fallbacks
     import torch
@@ -211,7 +214,10 @@ def run_child(kernels: str, out: Path, *, rows: int, compile_drafter: bool) -> N
     fast = kernels == "fla"
     phases = [
         ("forward", lambda: forward_phase(target, iters=5 if fast else 2)),
-        ("train", lambda: train_phase(target, steps=6 if fast else 2, compile_drafter=compile_drafter)),
+        (
+            "train",
+            lambda: train_phase(target, steps=6 if fast else 2, compile_drafter=compile_drafter, documents=documents),
+        ),
         ("decode", lambda: decode_phase(target, rows=rows, new_tokens=48 if fast else 24)),
     ]
     for name, phase in phases:
@@ -259,7 +265,7 @@ def forward_phase(target, *, iters: int) -> dict:
     }
 
 
-def train_phase(target, *, steps: int, compile_drafter: bool) -> dict:
+def train_phase(target, *, steps: int, compile_drafter: bool, documents: str) -> dict:
     from dataclasses import asdict
 
     from dflash_trainer.bench import (
@@ -267,13 +273,14 @@ def train_phase(target, *, steps: int, compile_drafter: bool) -> dict:
         bench_config,
         live_steps,
         paper_documents,
+        smollm2_documents,
         time_steps,
         write_synthetic_shards,
     )
     from dflash_trainer.train.trainer import Trainer
 
     with tempfile.TemporaryDirectory() as tmp:
-        setting = Setting(QWEN36_27B_TRUNCATED, paper_documents)
+        setting = Setting(QWEN36_27B_TRUNCATED, paper_documents if documents == "paper" else smollm2_documents)
         shards = write_synthetic_shards(
             Path(tmp) / "shards", setting=setting, groups=2 * (steps + 8), vocab=QWEN36_27B["vocab_size"]
         )
@@ -394,11 +401,18 @@ def main(argv: list[str]) -> int:
         "--kernels", default="fla,torch", choices=["fla,torch", "fla", "torch"], help="which children to run"
     )
     parser.add_argument("--compile", action="store_true", help="compile the drafter layers and the loss (slower start)")
+    parser.add_argument(
+        "--documents",
+        default="paper",
+        choices=["paper", "real"],
+        help="the train phase's documents: 3072 + 3072 + 2048 per row, or shaped like the GPU recipe's data (about "
+        "33 of 30-488 tokens per 8192-token row: per-document groups of many sizes)",
+    )
     parser.add_argument("--child", choices=["fla", "torch"], help=argparse.SUPPRESS)
     parser.add_argument("--child-out", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:
-        run_child(args.child, args.child_out, rows=args.rows, compile_drafter=args.compile)
+        run_child(args.child, args.child_out, rows=args.rows, compile_drafter=args.compile, documents=args.documents)
         return 0
     return run_children(args)
 

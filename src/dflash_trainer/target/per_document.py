@@ -12,6 +12,16 @@ Groups: segments sorted longest first fill a group while (segments x its longest
 own token count, so no forward holds more tokens than the packed one would. On GPU, transformers' Gated DeltaNet
 layers run the flash-linear-attention chunk kernels on these rows when that package is installed (the torch
 fallback otherwise); see the report in `capture.py` on why the variable-length (`cu_seqlens`) route is not used.
+
+Group sizes are left as the budget makes them, though fla-core 0.5.2's gate cumsum
+(`chunk_local_cumsum_scalar_kernel`) takes the row count as a compile-time constant and an autotuner key, so each
+row count not met before compiles and times four configurations once, mid-step. On documents shaped like the GPU
+recipe's data (8192-token rows, `benchmarks/hybrid_bench.py --documents real`; counted on the CPU) the first 60
+steps meet 14 row counts at 2.0 forwards per step. Cutting groups into power-of-two parts would meet 5 at 4.1
+forwards per step (3.3 when each group is capped at a power of two and the rest moves on). An eager forward of the
+27B hybrid is some 2,500 kernel launches (62 layers of about 40) however few its tokens, tens of milliseconds,
+against a few seconds per compile: by that estimate (not measured) a run of more than a few hundred steps would
+lose more to the extra forwards than the nine one-time compiles cost.
 Index tensors are built on the host from the layout's host boundaries, then copied without blocking.
 """
 
