@@ -48,6 +48,7 @@ def test_bench_times_every_phase_and_each_ablations_drafter_step(tmp_path, monke
         out=out,
         ablations=["small_chunks:loss.chunk_blocks=2", "target_eager:target.compile=false"],
         drafter_only_ablations=True,
+        require_cuda=False,
     )
     # A target-only ablation leaves the drafter-only step unchanged: only its end-to-end phase runs.
     names = [

@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast, Qwen3Config
 
@@ -381,3 +382,41 @@ def test_prepare_refuses_a_tokenizer_without_chat_template_up_front(tmp_path, ti
     chats = write_chats(tmp_path / "chats.jsonl", ["w3"])
     with pytest.raises(PrepareError, match="has no chat template"):
         prepare([chats], tokenizer, "tiny", tmp_path / "out", on_error="skip")
+
+
+@pytest.mark.parametrize(
+    ("argv", "pattern"),
+    [
+        (["eval", "--drafter", "x", "--max-new-tokens", "0"], r"--max-new-tokens: must be >= 1, got 0"),
+        (["eval", "--drafter", "x", "--num-prompts", "-3"], r"--num-prompts: must be >= 1, got -3"),
+        (["eval", "--drafter", "x", "--temperature", "-1"], r"--temperature: must be a finite number >= 0"),
+        (["regenerate", "--input", "a", "--out", "b", "--batch-size", "0"], r"--batch-size: must be >= 1"),
+        (["regenerate", "--input", "a", "--out", "b", "--temperature", "nan"], r"--temperature: must be a finite"),
+        (["bench", "--steps", "0"], r"--steps: must be >= 1, got 0"),
+        (["bench", "--warmup", "-1"], r"--warmup: must be >= 0, got -1"),
+        (["train", "--nproc", "-1"], r"--nproc: must be >= 0, got -1"),
+    ],
+)
+def test_out_of_range_options_are_refused_before_any_work(argv, pattern, capsys):
+    with pytest.raises(SystemExit) as exited:
+        cli.main(argv)
+    assert_one_line_error(exited.value.code, capsys.readouterr().err, pattern)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is for machines without CUDA")
+def test_bench_without_cuda_is_one_line_before_any_phase_runs(capsys):
+    code = cli.main(["bench", str(ROOT / "recipes/bench-smollm2.yaml")])
+    captured = capsys.readouterr()
+    assert_one_line_error(code, captured.err, r"bench times GPU training steps .* no CUDA device")
+    assert "bench:" not in captured.out
+
+
+@pytest.mark.parametrize(
+    ("device", "pattern"),
+    [("gpu", r"target\.device 'gpu': not a device name"), ("cuda:64", r"target\.device 'cuda:64': this machine has")],
+)
+def test_a_device_this_machine_lacks_is_a_user_error(device, pattern):
+    from dflash_trainer.devices import resolve_device
+
+    with pytest.raises(UserError, match=pattern):
+        resolve_device(device)

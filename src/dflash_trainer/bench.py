@@ -47,6 +47,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from .config import ConfigError, RunConfig, load_config
 from .data.shards import ShardWriter
+from .errors import UserError
 from .gpu_monitor import GpuMonitor
 from .gpu_monitor import describe as describe_clock
 from .kernel_profile import KernelProfile, format_profile, profile_kernels
@@ -354,7 +355,10 @@ def run_bench(
     drafter_only_ablations: bool = False,
     kernels: int = 0,
     trace_dir: Path | None = None,
+    require_cuda: bool = True,
 ) -> list[PhaseResult]:
+    """Time the recipe's training steps, phase by phase. `require_cuda=False` lets a test run a tiny setting on the
+    CPU; a user's full-size recipe there only exhausts the memory (bench-smollm2 was killed at 24 GiB)."""
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     parsed = [parse_ablation(text) for text in ablations]
@@ -362,6 +366,10 @@ def run_bench(
         probe = bench_config(recipe, overrides, Path(tmp) / "shards", Path(tmp) / "run")
         for _, extra in parsed:  # a bad ablation fails here, not after the phases before it have run
             bench_config(recipe, [*overrides, *extra], Path(tmp) / "shards", Path(tmp) / "run")
+        if require_cuda and device.type != "cuda":
+            raise UserError(
+                "bench times GPU training steps at the recipe's full size, and this machine has no CUDA device"
+            )
         setting = setting_for(probe)
         # Enough steps for the end-to-end phases: warm-up, timed, stage- and kernel-profiled steps, and some slack.
         groups = 2 * (warmup + steps + 2 * PROFILED_STEPS + 2)

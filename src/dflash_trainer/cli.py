@@ -13,10 +13,12 @@ from __future__ import annotations
 
 import argparse
 import difflib
+import math
 import os
 import sys
 import traceback
 from pathlib import Path
+from typing import NoReturn
 
 from .config import ConfigError, describe_keys, load_config
 from .errors import UserError, is_storage_error, storage_error
@@ -197,8 +199,6 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from .bench import run_bench
 
     recipe, overrides = split_recipe_and_overrides(args.items)
-    if args.kernels < 0:
-        raise ConfigError(f"bench --kernels: expected a count >= 0, got {args.kernels}")
     if args.trace_dir is not None and args.kernels == 0:
         args.kernels = DEFAULT_TOP_KERNELS  # a trace is taken by the kernel profile: it implies one
     run_bench(
@@ -215,8 +215,41 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse whose errors follow the CLI's contract: one line `error: ...` on stderr, exit status 2."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"error: {self.prog}: {message} (see {self.prog} --help)\n")
+
+
+def count_from(minimum: int):
+    """An argparse type: an integer >= `minimum` (argparse turns the error into a usage line, exit status 2)."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be >= {minimum}, got {value}")
+        return value
+
+    return parse
+
+
+def temperature(text: str) -> float:
+    """An argparse type: a finite sampling temperature >= 0 (0 is greedy)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not math.isfinite(value) or value < 0:
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0 (0: greedy), got {text}")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="dflash-trainer", description=__doc__.split("\n\n")[0])
+    parser = _Parser(prog="dflash-trainer", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
 
     train = sub.add_parser(
@@ -230,7 +263,7 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("items", nargs="*", help="recipe, then overrides like optim.lr=3e-4")
     train.add_argument("--resume", help="resume from this checkpoint directory (default: newest in run_dir)")
     train.add_argument("--profile-interval", type=float, help="seconds between per-stage profiler reports")
-    train.add_argument("--nproc", type=int, default=0, help="start N local ranks through torchrun")
+    train.add_argument("--nproc", type=count_from(0), default=0, help="start N local ranks through torchrun")
     train.set_defaults(run=cmd_train)
 
     prepare = sub.add_parser("prepare", help="tokenise chat data into training shards")
@@ -248,19 +281,19 @@ def build_parser() -> argparse.ArgumentParser:
     regen.add_argument("--input", required=True, help="chat JSONL file, or a prompt set (gsm8k:train, mtbench, ...)")
     regen.add_argument("--target", default="smollm2-135m")
     regen.add_argument("--out", required=True, help="output directory (chat JSONL shards; resumable)")
-    regen.add_argument("--max-new-tokens", type=int, default=256)
-    regen.add_argument("--batch-size", type=int, default=16)
-    regen.add_argument("--temperature", type=float, default=0.0)
-    regen.add_argument("--limit", type=int, default=None)
+    regen.add_argument("--max-new-tokens", type=count_from(1), default=256)
+    regen.add_argument("--batch-size", type=count_from(1), default=16)
+    regen.add_argument("--temperature", type=temperature, default=0.0)
+    regen.add_argument("--limit", type=count_from(1), default=None)
     regen.set_defaults(run=cmd_regenerate)
 
     evaluate = sub.add_parser("eval", help="speculative decoding: tau, speedup, lossless check")
     evaluate.add_argument("--drafter", required=True, help="exported drafter, training checkpoint, or run dir")
     evaluate.add_argument("--target", default=None, help="target (default: the one in the checkpoint's config)")
     evaluate.add_argument("--datasets", nargs="+", default=["gsm8k", "mtbench", "humaneval"])
-    evaluate.add_argument("--num-prompts", type=int, default=20)
-    evaluate.add_argument("--max-new-tokens", type=int, default=128)
-    evaluate.add_argument("--temperature", type=float, default=0.0)
+    evaluate.add_argument("--num-prompts", type=count_from(1), default=20)
+    evaluate.add_argument("--max-new-tokens", type=count_from(1), default=128)
+    evaluate.add_argument("--temperature", type=temperature, default=0.0)
     evaluate.add_argument("--dtype", default="auto", help="target dtype (float32 for the strict lossless check)")
     evaluate.add_argument("--out", default=None, help="where eval.json and the histogram go")
     evaluate.set_defaults(run=cmd_eval)
@@ -296,8 +329,8 @@ def build_parser() -> argparse.ArgumentParser:
         description=f"dflash-trainer bench [RECIPE] [key.path=value ...] (default recipe {DEFAULT_BENCH_RECIPE})",
     )
     bench.add_argument("items", nargs="*", help="recipe, then overrides like optim.lr=3e-4")
-    bench.add_argument("--steps", type=int, default=10)
-    bench.add_argument("--warmup", type=int, default=3)
+    bench.add_argument("--steps", type=count_from(1), default=10)
+    bench.add_argument("--warmup", type=count_from(0), default=3)
     bench.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
     bench.add_argument(
         "--ablation", action="append", default=[], help="NAME:key=value,...: one more end-to-end phase with these"
@@ -310,7 +343,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     bench.add_argument(
         "--kernels",
-        type=int,
+        type=count_from(0),
         default=0,
         help="print the N kernels with the most device time per phase (torch.profiler)",
     )

@@ -9,7 +9,9 @@ checkpoint (`config.yaml`) so a run can be reproduced from its directory alone.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import math
 import types
 import typing
 from dataclasses import dataclass, field
@@ -220,6 +222,7 @@ class DataConfig:
         )
         _require(self.max_batch_size >= 1, "data.max_batch_size", "must be >= 1")
         _require(self.max_anchors >= 1, "data.max_anchors", "must be >= 1")
+        _require(self.seed >= 0, "data.seed", "must be >= 0")
         _require(self.seq_multiple >= 0, "data.seq_multiple", "must be >= 0")
         _require(self.anchor_multiple >= 0, "data.anchor_multiple", "must be >= 0")
         _require(self.prefetch_steps >= 0, "data.prefetch_steps", "must be >= 0")
@@ -293,6 +296,7 @@ class TrainConfig:
     def validate(self) -> None:
         _require(self.epochs >= 1, "train.epochs", "must be >= 1")
         _require(self.max_steps is None or self.max_steps >= 1, "train.max_steps", "must be >= 1")
+        _require(self.seed >= 0, "train.seed", "must be >= 0")
 
 
 @dataclass
@@ -340,6 +344,7 @@ class EvalConfig:
         _require(self.num_prompts >= 1, "eval.num_prompts", "must be >= 1")
         _require(self.max_new_tokens >= 1, "eval.max_new_tokens", "must be >= 1")
         _require(self.temperature >= 0, "eval.temperature", "must be >= 0")
+        _require(bool(self.datasets), "eval.datasets", "must name at least one prompt set (e.g. [gsm8k])")
 
 
 @dataclass
@@ -465,14 +470,15 @@ def _check_value(value: Any, annotation: Any, key: str) -> Any:
             raise ConfigError(f"{key}: {value} is too large for a float") from None
     if annotation is float and isinstance(value, str):
         # YAML 1.1 reads `3e-4` (no dot) as a string; accept what Python reads as a number.
-        try:
-            return float(value)
-        except ValueError:
-            pass
+        with contextlib.suppress(ValueError):
+            value = float(value)
     if annotation in (int, float) and isinstance(value, bool):
         raise ConfigError(f"{key}: expected {annotation.__name__}, got bool {value!r}")
     if not isinstance(value, annotation):
         raise ConfigError(f"{key}: expected {annotation.__name__}, got {type(value).__name__} {value!r}")
+    if annotation is float and not math.isfinite(value):
+        # No setting means anything at inf or nan (YAML's `.inf`, `.nan`); `optim.lr=inf` trained NaN weights.
+        raise ConfigError(f"{key}: must be a finite number, got {value}")
     return value
 
 

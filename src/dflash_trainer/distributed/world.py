@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from ..devices import resolve_device
+
 
 @dataclass
 class World:
@@ -38,10 +40,10 @@ def launched_by_torchrun() -> bool:
 
 def init_world(device: str = "auto", *, timeout_s: float = 60.0) -> World:
     """Join the job's process group when launched by torchrun; otherwise a one-process world."""
-    use_cuda = device == "cuda" or (device == "auto" and torch.cuda.is_available()) or device.startswith("cuda")
+    resolved = resolve_device(device)  # a device this machine lacks fails here, on every rank, as one line
     if not launched_by_torchrun():
-        chosen = torch.device("cuda" if use_cuda else "cpu") if device == "auto" else torch.device(device)
-        return World(device=chosen)
+        return World(device=resolved)
+    use_cuda = resolved.type == "cuda"
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if use_cuda:

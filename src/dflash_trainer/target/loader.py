@@ -47,6 +47,7 @@ from transformers import (
     PreTrainedTokenizerBase,
 )
 
+from ..devices import resolve_device
 from ..errors import UserError
 from .fp8 import quantize_decoder_linears
 
@@ -150,12 +151,6 @@ def quantize_target_to_fp8(target: LoadedTarget) -> None:
             f"target {target.name!r}: target.fp8 needs target.dtype bfloat16 (or auto), not {target.dtype}"
         )
     quantize_decoder_linears(target.model.get_decoder().layers)
-
-
-def resolve_device(device: str) -> torch.device:
-    if device == "auto":
-        return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-    return torch.device(device)
 
 
 def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:

@@ -46,6 +46,7 @@ from torch.distributed.tensor import DTensor
 
 from ..config import ConfigError, RunConfig
 from ..data.sampler import BatchPlan
+from ..devices import resolve_device
 from ..distributed.failure import FaultInjection
 from ..distributed.world import World
 from ..model.anchors import gather_block_states, kept_blocks_only
@@ -62,7 +63,7 @@ from ..target.capture import (
     embedding_module,
     lm_head_module,
 )
-from ..target.loader import LoadedTarget, load_target, resolve_device, resolve_mask_token_id
+from ..target.loader import LoadedTarget, load_target, resolve_mask_token_id
 from . import checkpoint as ckpt
 from .batch import TrainBatch
 from .data_setup import load_training_data, plan_to_host_batch
