@@ -130,9 +130,10 @@ class DrafterConfig:
             _require(bool(self.target_layer_ids), "drafter.target_layer_ids", "must name at least one layer")
             _require(min(self.target_layer_ids) >= 0, "drafter.target_layer_ids", "layer ids must be >= 0")
             _require(
-                len(set(self.target_layer_ids)) == len(self.target_layer_ids),
+                sorted(set(self.target_layer_ids)) == self.target_layer_ids,
                 "drafter.target_layer_ids",
-                f"{self.target_layer_ids} repeats a layer (each tap is one feature of the context projection)",
+                f"{self.target_layer_ids} must be strictly increasing: serving engines collect each tapped layer's "
+                "output once, in layer order, and the context projection reads them in this list's order",
             )
         _require(self.mask_token_id is None or self.mask_token_id >= 0, "drafter.mask_token_id", "must be >= 0")
         _require(self.flex_tile in (64, 128), "drafter.flex_tile", f"must be 64 or 128, got {self.flex_tile}")

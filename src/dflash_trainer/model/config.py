@@ -70,6 +70,11 @@ class DrafterModelConfig:
                 f"target has {max(1, self.num_target_layers - 3)} layers to spread taps over (1..L-3); set "
                 "drafter.num_target_features to at most that, or name distinct drafter.target_layer_ids"
             )
+        if sorted(self.target_layer_ids) != self.target_layer_ids:
+            raise ValueError(
+                f"target_layer_ids {self.target_layer_ids} are not in layer order: serving engines collect the tapped "
+                "layers' outputs in layer order, so the context projection would read them permuted"
+            )
         if not self.target_layer_ids or max(self.target_layer_ids) >= last or min(self.target_layer_ids) < 0:
             # Engines capture a layer's output as the input of the next one; the last layer has none (DESIGN §2).
             raise ValueError(
