@@ -210,6 +210,21 @@ def test_forward_and_backward_under_bf16_autocast():
     assert all(p.grad is not None and p.grad.dtype == torch.float32 for p in drafter.parameters())
 
 
+def test_half_precision_features_meet_an_fp32_drafter_outside_autocast():
+    """A bf16 target beside the fp32 drafter on the CPU (`target.dtype=bfloat16`, no autocast): the features are
+    cast to the drafter's dtype, so the forward equals one on the same features given in float32."""
+    torch.manual_seed(0)
+    config = tiny_drafter_config()
+    drafter = DFlashDrafter(config)
+    batch = random_packed_batch(config, length=32)
+    batch.features = batch.features.bfloat16()
+    embed = torch.nn.Embedding(config.vocab_size, config.hidden_size).requires_grad_(False)
+    out = run_drafter(drafter, batch, embed=embed)
+    batch.features = batch.features.float()
+    assert out.dtype == torch.float32
+    torch.testing.assert_close(out, run_drafter(drafter, batch, embed=embed), rtol=0, atol=0)
+
+
 def test_rope_frequencies_stay_float32_when_the_drafter_is_cast():
     drafter = DFlashDrafter(tiny_drafter_config())
     exact = drafter.rotary_emb.inv_freq.clone()

@@ -217,7 +217,11 @@ class DFlashDrafter(nn.Module):
                 nn.init.ones_(module.weight)
 
     def fuse_context(self, features: Tensor) -> Tensor:
-        """[R, T, K*H] target features -> [R, T, H] context shared by every layer."""
+        """[R, T, K*H] target features -> [R, T, H] context shared by every layer. Outside autocast, features of
+        another dtype than the drafter's (a bf16 target beside an fp32 drafter on the CPU) are cast to its dtype;
+        under autocast the projection casts them itself, so they are left as they are (no [R, T, K*H] copy)."""
+        if not torch.is_autocast_enabled(features.device.type):
+            features = features.to(self.fc.weight.dtype)
         return self.hidden_norm(self.fc(features))
 
     def forward(
