@@ -420,3 +420,11 @@ def test_a_device_this_machine_lacks_is_a_user_error(device, pattern):
 
     with pytest.raises(UserError, match=pattern):
         resolve_device(device)
+
+
+def test_eval_to_a_file_is_refused_before_loading_anything(tmp_path, capsys):
+    existing = tmp_path / "report"
+    existing.write_text("mine")
+    code = cli.main(["eval", "--drafter", str(tmp_path / "no-such-run"), "--out", str(existing)])
+    assert_one_line_error(code, capsys.readouterr().err, r"report: exists and is not a directory")
+    assert existing.read_text() == "mine"

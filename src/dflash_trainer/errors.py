@@ -41,6 +41,12 @@ class OutputExistsError(UserError, FileExistsError):
     """A command would replace output it must not replace (another run's export, a non-empty directory)."""
 
 
+def refuse_file_as_directory(out_dir: Path) -> None:
+    """An output directory that is an existing file is refused before any work (mkdir would fail after it)."""
+    if out_dir.exists() and not out_dir.is_dir():
+        raise OutputExistsError(f"{out_dir}: exists and is not a directory")
+
+
 class StorageError(UserError, OSError):
     """Writing to disk failed for a reason of the storage (full, read-only, no permission, quota).
     Built as `StorageError(errno, message)`; prints as the message alone."""

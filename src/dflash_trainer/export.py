@@ -61,7 +61,7 @@ import torch
 from safetensors.torch import load_file
 
 from .durable_io import fsync_dir, write_bytes, write_safetensors
-from .errors import OutputExistsError, UserError, is_storage_error, storage_error
+from .errors import OutputExistsError, UserError, is_storage_error, refuse_file_as_directory, storage_error
 from .model.config import FULL_ATTENTION, SLIDING_ATTENTION, DrafterModelConfig, default_target_layer_ids
 from .model.drafter import DFlashDrafter
 
@@ -270,11 +270,8 @@ def read_drafter_config(path: str | Path) -> DrafterModelConfig:
 
 
 def _refuse_foreign_directory(out_dir: Path, source: str | None, *, overwrite: bool) -> None:
-    if not out_dir.exists():
-        return
-    if not out_dir.is_dir():
-        raise OutputExistsError(f"{out_dir}: exists and is not a directory")
-    if not any(out_dir.iterdir()):
+    refuse_file_as_directory(out_dir)
+    if not out_dir.exists() or not any(out_dir.iterdir()):
         return
     if not _is_export(out_dir):
         raise OutputExistsError(f"{out_dir}: not empty and not a DFlash export; refusing to replace it")

@@ -27,7 +27,14 @@ from typing import Any, BinaryIO, Literal
 
 import numpy as np
 
-from ..errors import OutputExistsError, StorageError, UserError, is_storage_error, storage_error
+from ..errors import (
+    OutputExistsError,
+    StorageError,
+    UserError,
+    is_storage_error,
+    refuse_file_as_directory,
+    storage_error,
+)
 
 SHARD_FORMAT = "dflash-shards/1"
 MANIFEST_NAME = "manifest.json"
@@ -426,10 +433,9 @@ def _sync(f: Any) -> None:
 
 
 def _check_destination(out_dir: Path, *, overwrite: bool) -> None:
+    refuse_file_as_directory(out_dir)
     if not out_dir.exists():
         return
-    if not out_dir.is_dir():
-        raise OutputExistsError(f"{out_dir}: exists and is not a directory")
     if not overwrite and any(out_dir.iterdir()):
         raise OutputExistsError(
             f"{out_dir}: directory exists and is not empty; pass overwrite=True (--overwrite) to replace it"

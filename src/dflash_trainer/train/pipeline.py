@@ -19,7 +19,7 @@ from ..data.prepare import prepare
 from ..data.prompts import load_prompt_set
 from ..data.shards import check_shards_tokenizer
 from ..distributed.world import World, init_world, shutdown_world
-from ..errors import UserError
+from ..errors import UserError, refuse_file_as_directory
 from ..target.loader import LoadedTarget, load_target, quantize_target_to_fp8
 from . import checkpoint as ckpt
 from .trainer import Trainer, TrainSummary, drafter_model_config
@@ -366,6 +366,8 @@ def eval_command(
     from ..eval.runner import evaluate
     from ..export import cast_keeping_rope_fp32, check_drafter_fits_target
 
+    if out_dir:
+        refuse_file_as_directory(Path(out_dir))  # before decoding, not when the report is written
     drafter, source = load_drafter_any(drafter_path)
     target_config = run_config_of(source).target if (source / "config.yaml").is_file() else None
     if target is None and target_config is None:
