@@ -363,6 +363,29 @@ class PrepareConfig:
         _require(self.max_new_tokens >= 1, "prepare.max_new_tokens", "must be >= 1")
         _require(self.regenerate_batch_size >= 1, "prepare.regenerate_batch_size", "must be >= 1")
         _require(self.limit is None or self.limit >= 1, "prepare.limit", "must be >= 1")
+        problem = _held_out_source_problem(self.source)
+        _require(problem is None, "prepare.source", problem or "")
+
+
+# The built-in prompt sets that evaluation reads (data/prompts.py): GSM8K's last 200 questions (its `test` split, and
+# part of a bare `gsm8k`, which is split `all`), and MT-Bench and HumanEval whole (they have no training part).
+_EVALUATION_ONLY_SETS = ("mtbench", "humaneval")
+
+
+def _held_out_source_problem(source: str) -> str | None:
+    """Why a training prompt source would train on held-out evaluation prompts (None: it does not). A path that
+    exists is a file of the user's own."""
+    if not source or Path(source).exists():
+        return None
+    name, _, split = source.partition(":")
+    if name in _EVALUATION_ONLY_SETS:
+        return f"{source!r} is an evaluation set: training on it makes its held-out tau meaningless"
+    if name == "gsm8k" and split != "train":
+        return (
+            f"{source!r} holds the 200 held-out GSM8K test questions that evaluation reads; train on gsm8k:train "
+            "(the first 1,119)"
+        )
+    return None
 
 
 @dataclass
