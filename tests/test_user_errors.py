@@ -428,3 +428,23 @@ def test_eval_to_a_file_is_refused_before_loading_anything(tmp_path, capsys):
     code = cli.main(["eval", "--drafter", str(tmp_path / "no-such-run"), "--out", str(existing)])
     assert_one_line_error(code, capsys.readouterr().err, r"report: exists and is not a directory")
     assert existing.read_text() == "mine"
+
+
+def test_a_target_whose_weights_do_not_cover_its_config_is_refused(tmp_path):
+    """transformers would initialise the missing weights at random and only log a table."""
+    target = save_tiny_target(tmp_path / "target")
+    config = json.loads((target / "config.json").read_text())
+    config["num_hidden_layers"] += 1
+    config.pop("layer_types", None)
+    (target / "config.json").write_text(json.dumps(config))
+    with pytest.raises(TargetLoadError, match=r"weight\(s\) missing in its files for what config\.json describes"):
+        load_target(str(target))
+
+
+def test_a_target_whose_weights_differ_in_shape_from_its_config_is_refused(tmp_path):
+    target = save_tiny_target(tmp_path / "target")
+    config = json.loads((target / "config.json").read_text())
+    config["intermediate_size"] = 96
+    (target / "config.json").write_text(json.dumps(config))
+    with pytest.raises(TargetLoadError, match=r"cannot load model or tokenizer"):
+        load_target(str(target))

@@ -108,11 +108,24 @@ def load_target(
     model_source, name = _model_source(name_or_path, cache_dir=cache_dir)
     try:
         tokenizer = AutoTokenizer.from_pretrained(model_source)
-        model = AutoModelForCausalLM.from_pretrained(
-            model_source, dtype=torch_dtype, attn_implementation=attn_implementation, device_map=torch_device
+        model, loading = AutoModelForCausalLM.from_pretrained(
+            model_source,
+            dtype=torch_dtype,
+            attn_implementation=attn_implementation,
+            device_map=torch_device,
+            output_loading_info=True,
         )
-    except (OSError, ValueError) as error:
+    except (OSError, ValueError, RuntimeError) as error:  # RuntimeError: weights whose shapes differ from config.json
         raise TargetLoadError(f"target {name_or_path!r}: cannot load model or tokenizer: {error}") from error
+    # transformers initialises weights the files lack (or whose shapes differ) at random with only a logged table:
+    # a target like that would train the drafter on noise. Weights beyond the config (MTP heads) are harmless.
+    for kind in ("missing_keys", "mismatched_keys"):
+        keys = sorted(str(key) for key in loading.get(kind, ()))
+        if keys:
+            raise TargetLoadError(
+                f"target {name_or_path!r}: {len(keys)} weight(s) {kind.split('_')[0]} in its files for what "
+                f"config.json describes (e.g. {', '.join(keys[:3])}): the files and config.json do not belong together"
+            )
     model.requires_grad_(False)
     model.eval()
 
