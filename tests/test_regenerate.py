@@ -364,3 +364,8 @@ def test_jsonl_input_layouts_and_errors(target, tmp_path):
     path.write_text(json.dumps(lines[0]) + "\n" + json.dumps({"messages": [{"role": "robot", "content": "w1"}]}) + "\n")
     with pytest.raises(RegenerateError, match=r"data\.jsonl:2: .*role"):
         regenerate(path, target, tmp_path / "out2", max_new_tokens=2, batch_size=4, progress=False)
+    # A reply to no prompt: a system message alone, or an assistant turn before any user turn.
+    for messages in ([{"role": "system", "content": "w1"}], [{"role": "assistant", "content": "w1"}]):
+        path.write_text(json.dumps({"messages": messages}) + "\n")
+        with pytest.raises(RegenerateError, match=r"data\.jsonl:1: the conversation has no user turn"):
+            regenerate(path, target, tmp_path / "out3", max_new_tokens=2, batch_size=4, progress=False)

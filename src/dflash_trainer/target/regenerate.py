@@ -263,6 +263,10 @@ def _normalize(record: Any, *, where: str) -> list[ChatMessage]:
         messages = normalize_record(record, require_assistant=False)
     except RecordError as error:
         raise RegenerateError(f"{where}: {error}") from error
+    turns = [m["role"] for m in messages if m["role"] != "system"]
+    if not turns or turns[0] != "user":
+        # A reply to no prompt (a system message alone, or an assistant turn first) is not a training example.
+        raise RegenerateError(f"{where}: the conversation has no user turn before its first reply to generate")
     # Only role and content: the assistant turns (and any reasoning they carried) are replaced anyway.
     return [{"role": m["role"], "content": m["content"]} for m in messages]
 
