@@ -196,6 +196,17 @@ def test_a_trusted_legacy_checkpoint_converts_and_loads(tmp_path):
     assert_same(ckpt.load_checkpoint(path).trainer_state, state)
 
 
+@pytest.mark.parametrize("payload", [[1, 2], {"a": 1}])
+def test_a_trainer_pt_that_is_no_training_state_is_refused_and_left_as_it_was(tmp_path, payload):
+    path = save(tmp_path / "run", 4)
+    for name in ("manifest.json", "trainer_state.json", "trainer_state.safetensors"):
+        (path / name).unlink()
+    torch.save(payload, path / "trainer.pt")
+    with pytest.raises(ckpt.CheckpointError, match=r"not a dflash-trainer training state \(it lacks step, "):
+        ckpt.convert_legacy_checkpoint(path)
+    assert (path / "trainer.pt").is_file() and not (path / "manifest.json").exists()
+
+
 # ------------------------------------------------------------------------------------------- checksums
 
 

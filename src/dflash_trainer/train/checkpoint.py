@@ -511,6 +511,10 @@ def _directory_bytes(path: Path) -> int:
 # Converting checkpoints of earlier versions
 
 
+# What every version's training state holds, and resume reads.
+LEGACY_STATE_KEYS = ("step", "optimizer", "scheduler", "sampler", "rng")
+
+
 def convert_legacy_checkpoint(path: str | Path) -> Path:
     """Rewrite an earlier version's checkpoint (`trainer.pt`) in the current format, in place.
 
@@ -527,7 +531,14 @@ def convert_legacy_checkpoint(path: str | Path) -> Path:
         with torch.serialization.safe_globals(_numpy_array_globals()):
             state = torch.load(legacy, map_location="cpu", weights_only=True)
     except Exception as error:  # the unpickler raises several types for a refused or damaged file
-        raise CheckpointError(f"{legacy}: cannot be read with the restricted loader: {error}") from error
+        # torch's message goes on for lines, advising weights_only=False (running the file's code): its first line.
+        first_line = next((line for line in str(error).splitlines() if line.strip()), type(error).__name__)
+        raise CheckpointError(f"{legacy}: cannot be read with the restricted loader: {first_line}") from error
+    missing = [key for key in LEGACY_STATE_KEYS if not isinstance(state, dict) or key not in state]
+    if missing:
+        raise CheckpointError(
+            f"{legacy}: not a dflash-trainer training state (it lacks {', '.join(missing)}); nothing converted"
+        )
     state_tree, tensors = encode_state(state)
     files = {
         STATE_TENSORS: write_safetensors(path / STATE_TENSORS, tensors),
