@@ -161,3 +161,19 @@ def test_an_exported_set_reads_back_as_the_same_prompts_and_as_regeneration_inpu
     assert [(p.id, p.messages) for p in again] == [(p.id, p.messages) for p in original]
     conversations = load_conversations(path)
     assert [(c.id, c.messages) for c in conversations] == [(p.id, p.messages) for p in original]
+
+
+def test_set_names_take_a_split_and_are_checked_without_loading():
+    from dflash_trainer.data.prompts import check_prompt_set_name, split_set_name
+
+    assert split_set_name("gsm8k", "test") == ("gsm8k", "test")
+    assert split_set_name("chitchat:train", "test") == ("chitchat", "train")
+    for good in ("gsm8k", "gsm8k:train", "mix:train", "mtbench"):
+        check_prompt_set_name(good, "test")
+    for bad, message in [
+        ("gsm8kk", r"unknown prompt set 'gsm8kk'"),
+        ("mix", r"mixture 'mix' has no test split: use mix:train"),
+        ("gsm8k:dev", r"unknown split 'dev'"),
+    ]:
+        with pytest.raises(PromptSetError, match=message):
+            check_prompt_set_name(bad, "test")

@@ -448,3 +448,10 @@ def test_a_target_whose_weights_differ_in_shape_from_its_config_is_refused(tmp_p
     (target / "config.json").write_text(json.dumps(config))
     with pytest.raises(TargetLoadError, match=r"cannot load model or tokenizer"):
         load_target(str(target))
+
+
+def test_a_misspelt_evaluation_set_is_refused_before_training(tmp_path):
+    config = tiny_run(tmp_path, eval={"at_end": True, "datasets": ["gsm8kk"]})
+    with pytest.raises(UserError, match=r"unknown prompt set 'gsm8kk'"):
+        run_training(config)
+    assert not (tmp_path / "run").exists()

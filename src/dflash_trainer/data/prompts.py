@@ -56,9 +56,11 @@ __all__ = [
     "PROMPT_SETS",
     "Prompt",
     "PromptSetError",
+    "check_prompt_set_name",
     "list_prompt_sets",
     "load_mixture",
     "load_prompt_set",
+    "split_set_name",
 ]
 
 SPLITS = ("train", "test", "all")
@@ -224,6 +226,27 @@ def list_prompt_sets() -> dict[str, str]:
         if name in _WEIGHTS:
             sets[name] += ", math word problems first (weighted order)"
     return sets
+
+
+def split_set_name(text: str, default_split: str) -> tuple[str, str]:
+    """`gsm8k:train` -> ("gsm8k", "train"); a bare name, or a path that exists, takes `default_split`."""
+    if ":" in text and not Path(text).exists():
+        name, split = text.split(":", 1)
+        return name, split
+    return text, default_split
+
+
+def check_prompt_set_name(text: str, default_split: str) -> None:
+    """Refuse a prompt set that `load_prompt_set` would refuse for its name or split, without loading it (a mixture
+    takes a minute to build): what a run checks before training for the sets it evaluates on at the end."""
+    name, split = split_set_name(text, default_split)
+    if split not in SPLITS:
+        raise PromptSetError(f"prompt set {text!r}: unknown split {split!r}, expected one of {SPLITS}")
+    if name in MIXTURES and split == "test":
+        raise PromptSetError(f"mixture {name!r} has no test split: use {name}:train (evaluate on gsm8k:test)")
+    if name not in PROMPT_SETS and name not in MIXTURES and not (name.endswith(".jsonl") or Path(name).is_file()):
+        choices = sorted([*PROMPT_SETS, *MIXTURES])
+        raise PromptSetError(f"unknown prompt set {name!r}: expected one of {choices} or a path to a .jsonl file")
 
 
 def load_prompt_set(name: str, split: str = "test", limit: int | None = None) -> list[Prompt]:

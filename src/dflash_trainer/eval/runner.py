@@ -41,7 +41,7 @@ from tqdm import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from ..data.chat import generation_prompt_ids
-from ..data.prompts import Prompt, load_prompt_set
+from ..data.prompts import Prompt, load_prompt_set, split_set_name
 from ..decoding.batch import synchronized_time
 from ..decoding.plain import target_generate_batch
 from ..decoding.runs import BatchRun
@@ -217,7 +217,8 @@ def evaluate(
         raise ValueError("datasets: need at least one prompt set")
     if batch_size is not None and batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
-    prompt_sets = {name: load_prompt_set(name, split="test", limit=num_prompts) for name in datasets}
+    # `gsm8k` is its held-out test split; `NAME:SPLIT` names another split.
+    prompt_sets = {name: load_prompt_set(*split_set_name(name, "test"), limit=num_prompts) for name in datasets}
     report = EvalReport(
         target=target.name,
         dtype=str(target.dtype).removeprefix("torch."),

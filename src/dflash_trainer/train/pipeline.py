@@ -16,7 +16,7 @@ import torch
 
 from ..config import ConfigError, RunConfig, config_from_dict
 from ..data.prepare import prepare
-from ..data.prompts import load_prompt_set
+from ..data.prompts import check_prompt_set_name, load_prompt_set, split_set_name
 from ..data.shards import check_shards_tokenizer
 from ..distributed.world import World, init_world, shutdown_world
 from ..errors import UserError, refuse_file_as_directory
@@ -27,10 +27,7 @@ from .trainer import Trainer, TrainSummary, drafter_model_config
 
 def parse_prompt_source(source: str) -> tuple[str, str]:
     """`gsm8k:train` -> ("gsm8k", "train"); a bare name or path uses split `all`."""
-    if ":" in source and not Path(source).exists():
-        name, split = source.split(":", 1)
-        return name, split
-    return source, "all"
+    return split_set_name(source, "all")
 
 
 def write_prompt_chats(source: str, out_file: Path, *, limit: int | None) -> Path:
@@ -155,6 +152,9 @@ def run_training(
     """Train (colocated or disaggregated, per `placement`), then export, evaluate and plot on the main rank.
     Joins and leaves the process group itself unless given the `world` (launch.py gives it)."""
     ckpt.preflight(config)
+    if config.eval.at_end or config.eval.every_steps:  # a misspelt set must not surface after training
+        for name in config.eval.datasets:
+            check_prompt_set_name(name, "test")
     if world is not None:
         return _run_training(config, world, should_stop)
     world = init_world(config.target.device, timeout_s=config.placement.timeout_s)
