@@ -49,6 +49,7 @@ def test_int_is_accepted_for_float_but_not_the_reverse():
         ("noise.start=.nan", r"noise\.start: must be a finite number, got nan"),
         ("optim.weight_decay=1e400", r"optim\.weight_decay: must be a finite number"),
         ("train.seed=-1", r"train\.seed: must be >= 0"),
+        ("run_dir=", r"run_dir: must name a directory"),
         ("data.seed=-1", r"data\.seed: must be >= 0"),
         ("eval.datasets=[]", r"eval\.datasets: must name at least one prompt set"),
         ("prepare.source=gsm8k", r"prepare\.source: 'gsm8k' holds the 200 held-out GSM8K test questions"),

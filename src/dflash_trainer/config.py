@@ -438,6 +438,13 @@ class RunConfig:
     eval: EvalConfig = field(default_factory=EvalConfig)
     placement: PlacementConfig = field(default_factory=PlacementConfig)
 
+    def validate(self) -> None:
+        _require(
+            bool(self.run_dir.strip()),
+            "run_dir",
+            "must name a directory (empty, the run would write its checkpoints into the current one)",
+        )
+
 
 def _require(ok: bool, key: str, message: str) -> None:
     if not ok:
