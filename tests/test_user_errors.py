@@ -398,9 +398,7 @@ def test_prepare_refuses_a_tokenizer_without_chat_template_up_front(tmp_path, ti
     ],
 )
 def test_out_of_range_options_are_refused_before_any_work(argv, pattern, capsys):
-    with pytest.raises(SystemExit) as exited:
-        cli.main(argv)
-    assert_one_line_error(exited.value.code, capsys.readouterr().err, pattern)
+    assert_one_line_error(cli.main(argv), capsys.readouterr().err, pattern)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is for machines without CUDA")

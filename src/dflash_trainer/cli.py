@@ -374,7 +374,10 @@ def main(argv: list[str] | None = None) -> int:
     # Weights and data come from local files and installed packages; never reach for a model hub unless the
     # user explicitly allows it (HF_HUB_OFFLINE=0). Importing the package sets the same default.
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    args = parse_args(sys.argv[1:] if argv is None else list(argv))
+    try:
+        args = parse_args(sys.argv[1:] if argv is None else list(argv))
+    except SystemExit as exited:  # argparse: --help (0), or a usage error already printed as one line (2)
+        return exited.code if isinstance(exited.code, int) else 2
     try:
         return args.run(args)
     except ConfigError as error:
