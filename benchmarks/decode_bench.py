@@ -39,8 +39,8 @@ from dflash_trainer.eval.runner import LosslessError, evaluate, first_difference
 from dflash_trainer.export import cast_keeping_rope_fp32
 from dflash_trainer.model.config import DrafterModelConfig
 from dflash_trainer.model.drafter import DFlashDrafter
-from dflash_trainer.target.loader import LoadedTarget, builtin_gguf_path, cache_root, load_target
-from dflash_trainer.target.regenerate import regenerate
+from dflash_trainer.targets.loader import LoadedTarget, builtin_gguf_path, cache_root, load_target
+from dflash_trainer.targets.regenerate import regenerate
 
 # The random model has SmolLM2-135M's shape (bench.py's, the training benchmark's), as a LlamaConfig.
 SMOLLM2_SHAPE = {key: value for key, value in SMOLLM2_135M.items() if key != "model_type"}

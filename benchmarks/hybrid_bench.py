@@ -29,7 +29,7 @@ Phases (each child):
 - `train`: the trainer's end-to-end step in the paper setting (`recipes/bench-qwen3-8b.yaml`: drafter 5 layers, block
   16, 455 anchors per document; `--documents real`: rows of about 33 documents shaped like the GPU recipe's data
   instead, whose per-document groups take many sizes, and fla's gate cumsum compiles once per size: see
-  `target/per_document.py`; the timed steps' Triton kernel counts show whether those compiles make the slow steps)
+  `targets/per_document.py`; the timed steps' Triton kernel counts show whether those compiles make the slow steps)
   with data labels (the LM head is not needed, so the target stops after the deepest tap) through `bench.time_steps`:
   step time min / median / max over the timed steps, and each timed step with the frames dynamo compiled in it and the
   kernels Triton added to its disk cache (fla's JIT compiles: on 2026-12-01 the median was 5.5 s against a minimum of
@@ -234,8 +234,8 @@ def run_child(kernels: str, out: Path, *, rows: int, compile_drafter: bool, docu
 def forward_phase(target, *, iters: int) -> dict:
     import torch
 
-    from dflash_trainer.target.capture import FeatureCapture
-    from dflash_trainer.target.documents import DocumentLayout
+    from dflash_trainer.targets.capture import FeatureCapture
+    from dflash_trainer.targets.documents import DocumentLayout
 
     device = target.device
     capture = FeatureCapture(target.model, TAPS)

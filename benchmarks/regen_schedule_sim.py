@@ -24,7 +24,7 @@ import random
 
 import numpy as np
 
-from dflash_trainer.target.regenerate import _assistant_slots, load_conversations
+from dflash_trainer.targets.regenerate import _assistant_slots, load_conversations
 
 KV_BUCKET = 128
 TEMPLATE_TOKENS = 8  # per message: role markers and separators

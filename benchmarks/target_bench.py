@@ -36,10 +36,10 @@ import torch
 from transformers import Qwen3ForCausalLM
 
 from dflash_trainer.bench import QWEN3_8B, random_target
-from dflash_trainer.target.attention import varlen_supported
-from dflash_trainer.target.capture import FeatureCapture
-from dflash_trainer.target.documents import DocumentLayout
-from dflash_trainer.target.fp8 import quantize_decoder_linears
+from dflash_trainer.targets.attention import varlen_supported
+from dflash_trainer.targets.capture import FeatureCapture
+from dflash_trainer.targets.documents import DocumentLayout
+from dflash_trainer.targets.fp8 import quantize_decoder_linears
 
 DOCS = [3072, 3072, 2048]
 TAPS = [1, 9, 17, 25, 33]

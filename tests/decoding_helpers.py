@@ -11,7 +11,7 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from transformers.models.qwen3_5 import Qwen3_5ForCausalLM, Qwen3_5TextConfig
 
-from dflash_trainer.target.loader import LoadedTarget
+from dflash_trainer.targets.loader import LoadedTarget
 
 T = TypeVar("T")
 

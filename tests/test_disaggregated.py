@@ -349,7 +349,7 @@ def test_a_feature_batch_carries_next_tokens_in_place_of_final_states():
     [R, T, H] final states; unpacked, the drafter gathers the labels one process gathers."""
     from dflash_trainer.model.anchors import gather_block_states
     from dflash_trainer.model.loss import block_slot_tokens, greedy_next_tokens
-    from dflash_trainer.target.capture import TargetOutputs
+    from dflash_trainer.targets.capture import TargetOutputs
     from dflash_trainer.train.batch import make_train_batch
     from dflash_trainer.train.disaggregated import pack_batch, unpack_batch
     from model_helpers import tiny_drafter_config

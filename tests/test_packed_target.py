@@ -17,8 +17,8 @@ from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from conftest import _TINY_DIMS, PAD_ID, TINY_VOCAB
 from dflash_trainer.compiling import compile_dynamic
-from dflash_trainer.target import attention as doc_attention
-from dflash_trainer.target.attention import (
+from dflash_trainer.targets import attention as doc_attention
+from dflash_trainer.targets.attention import (
     PackedAttention,
     dense_document_mask,
     document_attention,
@@ -26,9 +26,9 @@ from dflash_trainer.target.attention import (
     layer_windows,
     resolve_backend,
 )
-from dflash_trainer.target.capture import FeatureCapture, packing_path
-from dflash_trainer.target.documents import DocumentLayout, positions_within_documents
-from dflash_trainer.target.per_document import document_groups
+from dflash_trainer.targets.capture import FeatureCapture, packing_path
+from dflash_trainer.targets.documents import DocumentLayout, positions_within_documents
+from dflash_trainer.targets.per_document import document_groups
 
 SLIDING_WINDOW = 3
 
@@ -341,7 +341,7 @@ def test_compiled_layers_capture_what_eager_layers_capture_without_recompiling(t
     graph break, no recompile per shape; the model is left as loaded."""
     from torch._dynamo.utils import counters
 
-    from dflash_trainer.target import capture as capture_module
+    from dflash_trainer.targets import capture as capture_module
 
     torch._dynamo.reset()
     counters.clear()

@@ -16,9 +16,9 @@ import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM
 from transformers.models.qwen3_5 import Qwen3_5ForCausalLM, Qwen3_5TextConfig
 
-from dflash_trainer.target.attention import varlen_supported
-from dflash_trainer.target.capture import FeatureCapture
-from dflash_trainer.target.fp8 import Fp8Linear, quantize_decoder_linears, quantize_rowwise
+from dflash_trainer.targets.attention import varlen_supported
+from dflash_trainer.targets.capture import FeatureCapture
+from dflash_trainer.targets.fp8 import Fp8Linear, quantize_decoder_linears, quantize_rowwise
 
 pytestmark = [
     pytest.mark.gpu,

@@ -152,7 +152,7 @@ def test_missing_jsonl_file(tmp_path):
 
 @pytest.mark.parametrize("suffix", [".jsonl", ".jsonl.gz"])
 def test_an_exported_set_reads_back_as_the_same_prompts_and_as_regeneration_input(tmp_path, suffix):
-    from dflash_trainer.target.regenerate import load_conversations
+    from dflash_trainer.targets.regenerate import load_conversations
 
     original = load_prompt_set("gsm8k", split="test", limit=7)
     path = tmp_path / f"exported{suffix}"

@@ -16,9 +16,9 @@ from dflash_trainer.data.chat import generation_prompt_ids, tokenize_conversatio
 from dflash_trainer.data.prepare import prepare
 from dflash_trainer.data.shards import load_shards
 from dflash_trainer.decoding.batch import BatchDecoder
-from dflash_trainer.target import regenerate as regen
-from dflash_trainer.target.loader import LoadedTarget, load_target
-from dflash_trainer.target.regenerate import RegenerateError, cut_at_stop, regenerate
+from dflash_trainer.targets import regenerate as regen
+from dflash_trainer.targets.loader import LoadedTarget, load_target
+from dflash_trainer.targets.regenerate import RegenerateError, cut_at_stop, regenerate
 
 MAX_NEW_TOKENS = 5
 

@@ -29,8 +29,8 @@ from dflash_trainer.eval.runner import (
 from dflash_trainer.model.attention import build_masks
 from dflash_trainer.model.config import DrafterModelConfig
 from dflash_trainer.model.drafter import DFlashDrafter
-from dflash_trainer.target.capture import FeatureCapture
-from dflash_trainer.target.loader import LoadedTarget
+from dflash_trainer.targets.capture import FeatureCapture
+from dflash_trainer.targets.loader import LoadedTarget
 
 VOCAB = 64
 HIDDEN = 64

@@ -10,10 +10,10 @@ import torch
 from transformers import AutoModelForCausalLM, GenerationConfig
 
 from conftest import IM_END_ID, IM_START_ID, PAD_ID, TINY_VOCAB, UNUSED_SPECIALS
-from dflash_trainer.target import loader
-from dflash_trainer.target.capture import FeatureCapture, embedding_module, lm_head_module, num_layers
-from dflash_trainer.target.documents import positions_within_documents
-from dflash_trainer.target.loader import (
+from dflash_trainer.targets import loader
+from dflash_trainer.targets.capture import FeatureCapture, embedding_module, lm_head_module, num_layers
+from dflash_trainer.targets.documents import positions_within_documents
+from dflash_trainer.targets.loader import (
     TargetLoadError,
     convert_gguf,
     find_spare_mask_token_id,

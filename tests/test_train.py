@@ -50,7 +50,7 @@ def test_target_argmax_labels_in_the_trainer_are_the_targets_greedy_tokens(tmp_p
     """With `loss.label_source=target_argmax` the trainer labels slot k of anchor a with the target's argmax after
     position a+k-1, computed once per position: checked against the per-slot definition at every step."""
     from dflash_trainer.model.anchors import gather_block_states
-    from dflash_trainer.target.capture import TargetOutputs
+    from dflash_trainer.targets.capture import TargetOutputs
     from dflash_trainer.train import trainer as trainer_module
 
     real_next_tokens, real_slot_tokens = TargetOutputs.with_next_tokens, trainer_module.block_slot_tokens

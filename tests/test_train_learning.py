@@ -23,7 +23,7 @@ import torch
 from dflash_trainer.config import load_config
 from dflash_trainer.data.shards import ShardWriter
 from dflash_trainer.model.drafter import DFlashDrafter
-from dflash_trainer.target.capture import FeatureCapture, embedding_module, lm_head_module
+from dflash_trainer.targets.capture import FeatureCapture, embedding_module, lm_head_module
 from dflash_trainer.train.trainer import Trainer
 from train_helpers import VOCAB, save_tiny_target, write_recipe
 

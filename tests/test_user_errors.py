@@ -28,7 +28,7 @@ from dflash_trainer.data.shards import ShardError, ShardWriter, check_shards_tok
 from dflash_trainer.errors import StorageError, UserError
 from dflash_trainer.export import export_drafter
 from dflash_trainer.model.drafter import DFlashDrafter
-from dflash_trainer.target.loader import (
+from dflash_trainer.targets.loader import (
     MaskTokenError,
     TargetLoadError,
     check_mask_token_id,

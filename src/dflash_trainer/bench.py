@@ -51,7 +51,7 @@ from .errors import UserError
 from .gpu_monitor import GpuMonitor
 from .gpu_monitor import describe as describe_clock
 from .kernel_profile import KernelProfile, format_profile, profile_kernels
-from .target.loader import LoadedTarget, quantize_target_to_fp8
+from .targets.loader import LoadedTarget, quantize_target_to_fp8
 from .train.metrics import (
     CompileWatch,
     allocator_retries,

@@ -40,7 +40,7 @@ class TargetConfig:
     # The decoder's linear layers in FP8 for feature capture in training (bf16 target, GPU with FP8 tensor cores);
     # evaluation and regeneration load the target unquantised.
     fp8: bool = False
-    # torch.compile the decoder layers for feature capture in training on CUDA (target/capture.py): fuses the eager
+    # torch.compile the decoder layers for feature capture in training on CUDA (targets/capture.py): fuses the eager
     # layers' norms, RoPE and activations (Qwen3-8B shape: 268 -> 204 ms per 8,192-token row; on in
     # recipes/bench-qwen3-8b.yaml). Evaluation and regeneration run the layers as loaded. Off by default until
     # measured on the SmolLM2 recipe.

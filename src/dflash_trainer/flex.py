@@ -1,4 +1,4 @@
-"""What the drafter's block masks (`model/attention.py`) and the target's document masks (`target/attention.py`)
+"""What the drafter's block masks (`model/attention.py`) and the target's document masks (`targets/attention.py`)
 share about flex_attention: its tile size, tile tables in the order a `BlockMask` wants, and the compiled kernel.
 
 A `BlockMask` describes, per query tile of `TILE` queries, which key tiles to evaluate (partial: the `mask_mod` is

@@ -37,7 +37,7 @@ import torch
 from torch import Tensor
 from transformers import PreTrainedModel
 
-from ..target.capture import decoder_module, embedding_module, lm_head_module
+from ..targets.capture import decoder_module, embedding_module, lm_head_module
 from .attention import engine_attention, layer_masks
 from .cache import StaticKVCache, UnsupportedTargetError, check_supported_layer_types
 from .recurrent import LinearLayerShape, RecurrentStates, delta_rule_modules, routed_delta_rules

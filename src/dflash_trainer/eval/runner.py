@@ -48,7 +48,7 @@ from ..decoding.runs import BatchRun
 from ..decoding.sampling import SamplingParams, derive_seed
 from ..decoding.speculative import SpeculativeDecoder
 from ..model.drafter import DFlashDrafter
-from ..target.loader import LoadedTarget
+from ..targets.loader import LoadedTarget
 
 REPORT_FILE = "eval.json"
 HISTOGRAM_FILE = "accepted_lengths.png"

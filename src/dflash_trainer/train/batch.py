@@ -26,8 +26,8 @@ from ..data.sampler import PackedBatch
 from ..flex import TILE
 from ..model.anchors import block_input_ids, block_labels, block_positions, sample_anchors
 from ..model.attention import MaskVariant, TileTables, mask_tables
-from ..target.capture import FeatureCapture, TargetOutputs
-from ..target.documents import DocumentLayout, host_boundaries
+from ..targets.capture import FeatureCapture, TargetOutputs
+from ..targets.documents import DocumentLayout, host_boundaries
 
 
 @dataclass
@@ -53,7 +53,7 @@ class TrainBatch:
     # Flex tile tables and context ranges per mask variant, prepared with the batch; None: the step builds them
     # from the anchors.
     mask_tables: dict[MaskVariant, TileTables] | None = None
-    # Host segment boundaries of the packed rows (`target/documents.py`), computed with the batch so that the
+    # Host segment boundaries of the packed rows (`targets/documents.py`), computed with the batch so that the
     # target's variable-length attention needs no device-to-host copy in the step; None when not packed.
     segment_boundaries: tuple[int, ...] | None = None
 

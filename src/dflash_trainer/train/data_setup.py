@@ -14,7 +14,7 @@ from ..config import RunConfig
 from ..data.sampler import BatchPlan, TokenBudgetSampler, collate
 from ..data.shards import TokenDataset, load_shards
 from ..model.attention import MaskVariant
-from ..target.loader import LoadedTarget
+from ..targets.loader import LoadedTarget
 from .batch import TrainBatch, make_train_batch
 
 
@@ -36,7 +36,7 @@ def load_training_data(
     dataset = load_shards(
         data.train_shards, vocab_size=target.config.vocab_size, max_seq_len=data.max_seq_len, overlong=data.overlong
     )
-    # Every target keeps packed documents apart (target/capture.py: attention masks or one document per row).
+    # Every target keeps packed documents apart (targets/capture.py: attention masks or one document per row).
     packing = data.packing
     sampler = TokenBudgetSampler(
         dataset.lengths,

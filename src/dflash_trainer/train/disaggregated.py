@@ -77,8 +77,8 @@ from ..distributed.transport import (
     send_notices,
 )
 from ..distributed.world import World
-from ..target.capture import FeatureCapture, TargetOutputs, decoder_module, embedding_module, lm_head_module
-from ..target.loader import LoadedTarget, load_target, quantize_target_to_fp8, resolve_dtype
+from ..targets.capture import FeatureCapture, TargetOutputs, decoder_module, embedding_module, lm_head_module
+from ..targets.loader import LoadedTarget, load_target, quantize_target_to_fp8, resolve_dtype
 from .batch import TrainBatch
 from .data_setup import TrainingData, load_training_data, plan_to_host_batch
 from .prefetch import Prefetcher

@@ -20,7 +20,7 @@ from ..data.prompts import check_prompt_set_name, load_prompt_set, split_set_nam
 from ..data.shards import check_shards_tokenizer
 from ..distributed.world import World, init_world, shutdown_world
 from ..errors import UserError, refuse_file_as_directory
-from ..target.loader import LoadedTarget, load_target, quantize_target_to_fp8
+from ..targets.loader import LoadedTarget, load_target, quantize_target_to_fp8
 from . import checkpoint as ckpt
 from .trainer import Trainer, TrainSummary, drafter_model_config
 
@@ -57,7 +57,7 @@ def regeneration_records(source: str, limit: int | None) -> str | list[dict]:
 
 
 def regenerated_chats(source: str, target: LoadedTarget, out_dir: Path, config: RunConfig) -> list[Path]:
-    from ..target.regenerate import regenerate
+    from ..targets.regenerate import regenerate
 
     summary = regenerate(
         regeneration_records(source, config.prepare.limit),
@@ -281,7 +281,7 @@ def regenerate_command(
     temperature: float,
     limit: int | None,
 ) -> None:
-    from ..target.regenerate import regenerate
+    from ..targets.regenerate import regenerate
 
     records = regeneration_records(source, limit)  # a missing prompt file fails before the target loads
     loaded = load_target(target)

@@ -56,14 +56,14 @@ from ..model.drafter import DFlashDrafter
 from ..model.loss import LossMetrics, block_slot_tokens, default_gamma, dflash_loss
 from ..model.noise import add_feature_noise, noise_std_at
 from ..model.target_init import copy_target_layers, resolve_layer_ids
-from ..target.capture import (
+from ..targets.capture import (
     FeatureCapture,
     TargetOutputs,
     decoder_module,
     embedding_module,
     lm_head_module,
 )
-from ..target.loader import LoadedTarget, load_target, resolve_mask_token_id
+from ..targets.loader import LoadedTarget, load_target, resolve_mask_token_id
 from . import checkpoint as ckpt
 from .batch import TrainBatch
 from .data_setup import load_training_data, plan_to_host_batch

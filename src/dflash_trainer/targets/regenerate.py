@@ -70,7 +70,7 @@ from dflash_trainer.decoding.cache import UnsupportedTargetError
 from dflash_trainer.decoding.sampling import SamplingParams, derive_seed
 from dflash_trainer.decoding.target import TargetRunner
 from dflash_trainer.errors import UserError
-from dflash_trainer.target.loader import LoadedTarget
+from dflash_trainer.targets.loader import LoadedTarget
 
 OUTPUT_FILE = "regen-00000.jsonl"
 JOURNAL_FILE = "regen.partial.jsonl"
