@@ -9,6 +9,8 @@ import numpy as np
 
 from dflash_trainer import bench
 
+REPO = Path(__file__).resolve().parents[1]
+
 ROOT = Path(__file__).resolve().parent.parent
 TINY_LLAMA = dict(
     model_type="llama",
@@ -31,7 +33,7 @@ def tiny_documents(rng: np.random.Generator) -> list[tuple[int, int]]:
 def test_bench_times_every_phase_and_each_ablations_drafter_step(tmp_path, monkeypatch):
     """Phases in order: the drafter-only and end-to-end baselines, then per ablation its drafter-only step (with
     --drafter-only-ablations) and its end-to-end step; the JSON holds them all, each with its timed steps."""
-    monkeypatch.setattr(bench, "setting_for", lambda config: bench.Setting(TINY_LLAMA, tiny_documents))
+    monkeypatch.setattr(bench, "setting_for", lambda config, documents: bench.Setting(TINY_LLAMA, tiny_documents))
     out = tmp_path / "bench.json"
     results = bench.run_bench(
         recipe=ROOT / "recipes/bench-smollm2.yaml",
@@ -65,3 +67,16 @@ def test_bench_times_every_phase_and_each_ablations_drafter_step(tmp_path, monke
     # No nvidia-smi on the CPU: no clock; the compile breakdown is a dict of seconds (empty when nothing compiled).
     assert all(r["sm_clock_mhz"] is None and r["power_w"] is None for r in saved)
     assert all(all(s >= 0 for s in r["first_step_compile_stages"].values()) for r in saved)
+
+
+def test_the_recipe_target_picks_the_shape_and_documents_and_documents_override_them():
+    from dflash_trainer.config import load_config
+
+    config = load_config(REPO / "recipes/bench-qwen3.6-27b.yaml", ["drafter.accept_sliding_window_mismatch=true"])
+    setting = bench.setting_for(config)
+    assert setting.architecture is bench.QWEN36_27B and setting.documents is bench.long_reply_documents
+    docs = setting.documents(np.random.default_rng(0))
+    assert all(4096 <= length <= 8192 and 64 <= prompt <= 512 for length, prompt in docs)
+    assert bench.setting_for(config, "smollm2").documents is bench.smollm2_documents
+    paper = load_config(REPO / "recipes/bench-qwen3-8b.yaml", [])
+    assert bench.setting_for(paper).architecture is bench.QWEN3_8B

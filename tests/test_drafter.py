@@ -210,6 +210,35 @@ def test_forward_and_backward_under_bf16_autocast():
     assert all(p.grad is not None and p.grad.dtype == torch.float32 for p in drafter.parameters())
 
 
+def test_activation_checkpointing_gives_the_same_loss_and_gradients():
+    """Recomputing each layer in the backward (`drafter.activation_checkpointing`) changes what is kept, never the
+    result: same output and, in float32 on the CPU (deterministic kernels), the same gradients to rounding."""
+    torch.manual_seed(0)
+    config = tiny_drafter_config()
+    batch = random_packed_batch(config, length=32)
+    embed = torch.nn.Embedding(config.vocab_size, config.hidden_size).requires_grad_(False)
+    results = []
+    for recompute in (False, True):
+        torch.manual_seed(1)
+        drafter = DFlashDrafter(config).train()
+        drafter.checkpoint_layers = recompute
+        saved: list[int] = []  # sizes of the tensors autograd keeps for the backward (outside the checkpoints' own)
+
+        def pack(tensor: torch.Tensor, saved: list[int] = saved) -> torch.Tensor:
+            saved.append(tensor.numel())
+            return tensor
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+            out = run_drafter(drafter, batch, embed=embed)
+        out.square().mean().backward()
+        results.append((out.detach(), {name: p.grad for name, p in drafter.named_parameters()}, sum(saved)))
+    (out_kept, grads_kept, saved_kept), (out_recomputed, grads_recomputed, saved_recomputed) = results
+    assert saved_recomputed < saved_kept / 2, (saved_recomputed, saved_kept)
+    torch.testing.assert_close(out_recomputed, out_kept, rtol=0, atol=0)
+    for name, grad in grads_kept.items():
+        torch.testing.assert_close(grads_recomputed[name], grad, rtol=1e-5, atol=1e-7, msg=name)
+
+
 def test_half_precision_features_meet_an_fp32_drafter_outside_autocast():
     """A bf16 target beside the fp32 drafter on the CPU (`target.dtype=bfloat16`, no autocast): the features are
     cast to the drafter's dtype, so the forward equals one on the same features given in float32."""

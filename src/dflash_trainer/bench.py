@@ -32,6 +32,7 @@ synchronisation. Results go to stdout and, with `--out`, to a JSON file.
 from __future__ import annotations
 
 import gc
+import itertools
 import json
 import statistics
 import tempfile
@@ -94,6 +95,39 @@ SMOLLM2_135M = dict(
     tie_word_embeddings=True,
 )
 
+_LINEAR, _FULL = "linear_attention", "full_attention"
+# Qwen3.6-27B's text decoder (the same layout as Qwen3.5-27B; the target of the system this project replaces): 64
+# layers, three Gated DeltaNet layers then one gated full-attention layer, repeated (48 + 16); hidden 5120, MLP 17408,
+# vocab 248320; attention 24 heads, 4 KV heads, head dim 256, partial RoPE 0.25, theta 1e7; linear attention 16 key
+# heads and 48 value heads of 128, convolution kernel 4. Source: the `text_config` of Qwen/Qwen3.6-27B's config.json,
+# and the Qwen3.5-27B model cards giving the same numbers. Built in full (soft labels need the final norm and head).
+QWEN36_27B = dict(
+    model_type="qwen3_5_text",
+    vocab_size=248320,
+    hidden_size=5120,
+    intermediate_size=17408,
+    num_hidden_layers=64,
+    layer_types=[_LINEAR, _LINEAR, _LINEAR, _FULL] * 16,
+    num_attention_heads=24,
+    num_key_value_heads=4,
+    head_dim=256,
+    linear_num_key_heads=16,
+    linear_num_value_heads=48,
+    linear_key_head_dim=128,
+    linear_value_head_dim=128,
+    linear_conv_kernel_dim=4,
+    max_position_embeddings=262144,
+    rms_norm_eps=1e-6,
+    rope_parameters={
+        "rope_type": "default",
+        "rope_theta": 10_000_000,
+        "partial_rotary_factor": 0.25,
+        "mrope_section": [11, 11, 10],
+        "mrope_interleaved": True,
+    },
+    tie_word_embeddings=False,
+)
+
 # Steps of the profiled pass after the timed ones.
 PROFILED_STEPS = 3
 
@@ -131,8 +165,35 @@ class PhaseResult:
     step_triton_compiles: list[int | None] = field(default_factory=list)
     # Stage -> average ms per step over the profiled steps.
     stages_ms: dict[str, float] = field(default_factory=dict)
+    # Where the device memory goes (CUDA): GiB held across steps by owner (`resident_memory`), and per stage of the
+    # profiled steps the GiB allocated on entering it and its peak (`StageProfiler(track_memory=True)`).
+    resident_gib: dict[str, float] = field(default_factory=dict)
+    stage_memory_gib: dict[str, tuple[float, float]] = field(default_factory=dict)
     # The top kernels over PROFILED_STEPS more steps (`--kernels`), None when not asked for.
     kernel_profile: KernelProfile | None = None
+
+    # Why the phase has no numbers (it ran out of device memory); None when it ran.
+    error: str | None = None
+
+    @classmethod
+    def failed(cls, name: str, error: str, peak_mem_gib: float) -> PhaseResult:
+        nan = float("nan")
+        return cls(
+            name=name,
+            step_ms_median=nan,
+            step_ms_min=nan,
+            step_ms_max=nan,
+            tokens_per_step=nan,
+            tokens_per_s=nan,
+            mfu=None,
+            peak_mem_gib=peak_mem_gib,
+            first_step_s=nan,
+            first_step_compiles=0,
+            first_step_compile_s=nan,
+            recompiles_after_warmup=0,
+            alloc_retries=0,
+            error=error,
+        )
 
     def describe_steps(self) -> str:
         """Every timed step: `812 (2 frames compiled, 14 new Triton kernels), 640, ...`."""
@@ -164,11 +225,41 @@ def smollm2_documents(rng: np.random.Generator) -> list[tuple[int, int]]:
     return docs
 
 
-def setting_for(config: RunConfig) -> Setting:
-    """The recipe's target name picks the shape (the target itself is never loaded)."""
-    if "smollm2" in config.target.name_or_path.lower():
-        return Setting(SMOLLM2_135M, smollm2_documents)
-    return Setting(QWEN3_8B, paper_documents)
+def long_reply_documents(rng: np.random.Generator) -> list[tuple[int, int]]:
+    """Documents shaped like a reasoning model's regenerated replies, the data of the seed's 27B job: a prompt of
+    64-512 tokens, then a long reply, 4,096 to 8,192 tokens in all (one or two documents per 8,192-token row).
+
+    Why this shape: the system this project replaces trained at 14.5K target tokens/s with 3 drafter GPUs, and a
+    5-layer 27B-wide drafter costs about 16 GFLOP per block slot (6 x 1.8B parameters + 4 x H x V for the LM head),
+    so even at 50 % of three H200s' bf16 peak its data held at most ~0.16 blocks per token; with its 1,024 anchors
+    per document, block 32, that means documents of about 6,000 tokens or more. Short documents (`smollm2`) put an
+    anchor on every reply position, about 3x the drafter work per target token."""
+    docs = []
+    for _ in range(2):
+        total = int(rng.integers(4096, 8193))
+        docs.append((total, int(rng.integers(64, 513))))
+    return docs
+
+
+# `bench --documents NAME`: the documents packed into the bench's rows.
+DOCUMENTS: dict[str, Callable[[np.random.Generator], list[tuple[int, int]]]] = {
+    "paper": paper_documents,
+    "smollm2": smollm2_documents,
+    "long": long_reply_documents,
+}
+
+
+def setting_for(config: RunConfig, documents: str | None = None) -> Setting:
+    """The recipe's target name picks the shape (the target itself is never loaded) and, unless `documents` names
+    others, the documents: SmolLM2 with its recipe's data shape, Qwen3.6-27B with long replies, else the paper's."""
+    name = config.target.name_or_path.lower()
+    if "smollm2" in name:
+        setting = Setting(SMOLLM2_135M, smollm2_documents)
+    elif "qwen3.6-27b" in name:
+        setting = Setting(QWEN36_27B, long_reply_documents)
+    else:
+        setting = Setting(QWEN3_8B, paper_documents)
+    return setting if documents is None else Setting(setting.architecture, DOCUMENTS[documents])
 
 
 def random_target(device: torch.device, dtype: torch.dtype, architecture: dict) -> LoadedTarget:
@@ -259,13 +350,17 @@ def time_steps(
             flops -= trainer.flops_per_token(0.0)
         mfu = tokens_per_step / median * flops / peak
     mem = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else float("nan")
-    # A few more steps with the stage profiler on (it synchronises after every stage).
+    # A few more steps with the stage profiler on (it synchronises after every stage, and tracks memory per stage).
     real_profiler = trainer.profiler
-    trainer.profiler = StageProfiler(3600.0, device=device, sink=lambda _: None)
+    trainer.profiler = StageProfiler(3600.0, device=device, sink=lambda _: None, track_memory=True)
     for _ in range(PROFILED_STEPS):
         run(next(works))
     trainer._settle_flags()
     stages = {stage: 1e3 * stats.sum_s / PROFILED_STEPS for stage, stats in trainer.profiler.summary().items()}
+    stage_memory = {
+        stage: (memory.entry_bytes / 2**30, memory.peak_bytes / 2**30)
+        for stage, memory in trainer.profiler.memory().items()
+    }
     trainer.profiler = real_profiler
     kernel_profile = None
     if kernels > 0:
@@ -294,8 +389,29 @@ def time_steps(
         step_compiles=step_compiles,
         step_triton_compiles=step_triton,
         stages_ms=stages,
+        resident_gib=resident_memory(trainer) if device.type == "cuda" else {},
+        stage_memory_gib=stage_memory,
         kernel_profile=kernel_profile,
     )
+
+
+def resident_memory(trainer: Trainer) -> dict[str, float]:
+    """GiB held from step to step, by owner: the target's weights and buffers, the drafter's master weights, its
+    gradients (alive from the first backward of a step to the optimizer's zero_grad: the master weights' size) and
+    the optimizer's state. The rest of a step's peak is what the stages allocate (activations, logits, features)."""
+
+    def gib(tensors: Iterator[torch.Tensor]) -> float:
+        return sum(t.numel() * t.element_size() for t in tensors) / 2**30
+
+    model = trainer.target.model
+    drafter = list(trainer.drafter.parameters())
+    state = (v for per_param in trainer.optimizer.state.values() for v in per_param.values() if torch.is_tensor(v))
+    return {
+        "target_weights": gib(itertools.chain(model.parameters(), model.buffers())),
+        "drafter_weights": gib(iter(drafter)),
+        "drafter_grads": gib(p for p in drafter if p.requires_grad),
+        "optimizer_state": gib(state),
+    }
 
 
 def fresh_compile_state() -> None:
@@ -355,6 +471,7 @@ def run_bench(
     drafter_only_ablations: bool = False,
     kernels: int = 0,
     trace_dir: Path | None = None,
+    documents: str | None = None,
     require_cuda: bool = True,
 ) -> list[PhaseResult]:
     """Time the recipe's training steps, phase by phase. `require_cuda=False` lets a test run a tiny setting on the
@@ -370,7 +487,7 @@ def run_bench(
             raise UserError(
                 "bench times GPU training steps at the recipe's full size, and this machine has no CUDA device"
             )
-        setting = setting_for(probe)
+        setting = setting_for(probe, documents)
         # Enough steps for the end-to-end phases: warm-up, timed, stage- and kernel-profiled steps, and some slack.
         groups = 2 * (warmup + steps + 2 * PROFILED_STEPS + 2)
         shards = write_synthetic_shards(
@@ -404,10 +521,11 @@ def run_bench(
             if out is not None:
                 out.write_text(json.dumps([asdict(r) for r in results], indent=2))
 
-        for index, (name, extra) in enumerate([("", []), *parsed]):
-            config = bench_config(recipe, [*overrides, *extra], shards, Path(tmp) / f"run{index}")
-            trainer = target = None  # the last phase's: target_for may free the target they hold
-            fresh_compile_state()
+        running = [""]  # the phase in progress, to name one that runs out of memory
+
+        def run_phases(index: int, name: str, extra: list[str], config: RunConfig) -> None:
+            """The drafter-only phase (first setting, or each with --drafter-only-ablations) and the end-to-end one."""
+            running[0] = ("end_to_end" + (f"[{name}]" if name else "")) if index else "drafter_only"
             target = target_for(config)
             trainer = Trainer(config, target=target, log=print)
             trainer.start_log_window()
@@ -436,13 +554,14 @@ def run_bench(
                     f"{describe_compile_stages(compile_stages_since(snapshot))})"
                 )
                 work = StepWork(batches=[batch], outputs=[None], loss_scale=1.0)
+                running[0] = "drafter_only" + suffix
                 record(
                     time_steps(
                         trainer,
                         replay(work, features),
                         warmup=warmup,
                         steps=steps,
-                        name="drafter_only" + suffix,
+                        name=running[0],
                         drafter_only=True,
                         kernels=kernels,
                         trace_path=trace_dir / f"drafter_only{name and '_' + name}.json" if trace_dir else None,
@@ -451,15 +570,38 @@ def run_bench(
                 fresh_compile_state()
                 trainer = Trainer(config, target=target, log=print)
                 trainer.start_log_window()
-            phase = "end_to_end" + suffix
+            running[0] = phase = "end_to_end" + suffix
             steps_iter = live_steps(trainer)
             trace_path = trace_dir / f"{name or 'end_to_end'}.json" if trace_dir else None
-            record(
-                time_steps(
-                    trainer, steps_iter, warmup=warmup, steps=steps, name=phase, kernels=kernels, trace_path=trace_path
+            try:
+                record(
+                    time_steps(
+                        trainer,
+                        steps_iter,
+                        warmup=warmup,
+                        steps=steps,
+                        name=phase,
+                        kernels=kernels,
+                        trace_path=trace_path,
+                    )
                 )
-            )
-            steps_iter.close()
+            finally:
+                steps_iter.close()  # stops the prefetch worker, also when a step ran out of memory
+
+        for index, (name, extra) in enumerate([("", []), *parsed]):
+            config = bench_config(recipe, [*overrides, *extra], shards, Path(tmp) / f"run{index}")
+            failure = None
+            try:
+                run_phases(index, name, extra, config)
+            except torch.cuda.OutOfMemoryError as error:
+                # A setting that does not fit is a result too (the next phases may fit): say so and go on.
+                first_line = str(error).splitlines()[0] if str(error) else "out of memory"
+                failure = f"out of device memory: {first_line}"
+            if failure is not None:  # out of the except block: the traceback no longer holds the phase's trainer
+                gc.collect()
+                peak = torch.cuda.max_memory_allocated(device) / 2**30
+                torch.cuda.empty_cache()
+                record(PhaseResult.failed(running[0], failure, peak))
     print(f"bench: {len(results)} phases done")
     return results
 
@@ -471,6 +613,9 @@ def describe_step(ms: float, frames: int, kernels: int | None) -> str:
 
 
 def print_phase(r: PhaseResult) -> None:
+    if r.error is not None:
+        print(f"{r.name:>32}: {r.error} (peak {r.peak_mem_gib:.1f} GiB allocated)")
+        return
     mfu = f"{100 * r.mfu:.1f}%" if r.mfu is not None else "n/a"
     print(
         f"{r.name:>32}: {r.step_ms_median:8.1f} ms/step (min {r.step_ms_min:.1f}, max {r.step_ms_max:.1f}) | "
@@ -488,6 +633,12 @@ def print_phase(r: PhaseResult) -> None:
         print(f"{'':>32}  timed steps (ms): {r.describe_steps()}")
     stages = " ".join(f"{stage} {ms:.1f}" for stage, ms in sorted(r.stages_ms.items(), key=lambda kv: -kv[1]))
     print(f"{'':>32}  stages (ms/step, profiled): {stages}")
+    if r.resident_gib:
+        resident = ", ".join(f"{owner} {value:.1f}" for owner, value in r.resident_gib.items())
+        by_stage = ", ".join(
+            f"{stage} {entry:.1f} -> {peak:.1f}" for stage, (entry, peak) in r.stage_memory_gib.items()
+        )
+        print(f"{'':>32}  memory (GiB): held across steps: {resident}; per stage, on entry -> peak: {by_stage}")
     if r.kernel_profile is not None:
         for line in format_profile(r.kernel_profile, r.step_ms_median):
             print(f"{'':>32}  {line}")

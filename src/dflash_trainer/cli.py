@@ -211,6 +211,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         drafter_only_ablations=args.drafter_only_ablations,
         kernels=args.kernels,
         trace_dir=args.trace_dir,
+        documents=args.documents,
     )
     return 0
 
@@ -352,6 +353,13 @@ def build_parser() -> argparse.ArgumentParser:
         type=Path,
         default=None,
         help=f"write each phase's Chrome trace of the kernel profile here (implies --kernels {DEFAULT_TOP_KERNELS})",
+    )
+    bench.add_argument(
+        "--documents",
+        choices=["paper", "smollm2", "long"],
+        default=None,
+        help="the synthetic documents (default: the recipe target's): 3072 + 3072 + 2048 per row; shaped like the "
+        "SmolLM2 recipe's data (~66 short replies per 16K tokens); or long replies of 4-8K tokens",
     )
     bench.set_defaults(run=cmd_bench)
     return parser

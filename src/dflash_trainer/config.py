@@ -105,6 +105,10 @@ class DrafterConfig:
     init_layers_from_target: list[int] | None = None
     # torch.compile each drafter layer on CUDA (fuses norms, RoPE, SwiGLU; ~16% faster steps, less memory).
     compile: bool = True
+    # Recompute each drafter layer's activations in the backward (torch.utils.checkpoint) instead of keeping them:
+    # a layer then keeps only its [rows, blocks*B, hidden] input, for one more forward of the layers per step. For
+    # wide drafters with many anchors (a 27B target's drafter at block 32), where activations outgrow the GPU.
+    activation_checkpointing: bool = False
     # torch.compile mode of the drafter layers ("reduce-overhead" adds CUDA graphs, one per shape bucket).
     compile_mode: Literal["default", "max-autotune-no-cudagraphs", "reduce-overhead"] = "default"
     # flex BlockMasks from tile tables computed from the anchors in the data stage ("anchors"), or by

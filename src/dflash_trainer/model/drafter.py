@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
 from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding
 
 from ..compiling import keep_sizes_apart
@@ -189,6 +190,10 @@ class DFlashDrafter(nn.Module):
         self.hidden_norm = RMSNorm(hidden, config.rms_norm_eps)
         self.layers = nn.ModuleList(DrafterLayer(config, i) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(hidden, config.rms_norm_eps)
+        # Recompute each layer's activations in the backward instead of keeping them (set by the trainer from
+        # `drafter.activation_checkpointing`): a layer keeps only its input, [R, N*B, H], instead of about 16x that
+        # (q/k/v, attention output, the MLP's 3 x intermediate-wide tensors), for one more forward of the layers.
+        self.checkpoint_layers = False
         self.rotary_emb = Qwen3RotaryEmbedding(config.to_hf_config())
         # Kept outside the module's buffers so `.to(bfloat16)` cannot round it (see `_apply`).
         self._inv_freq_fp32 = self.rotary_emb.inv_freq.detach().clone().float().cpu()
@@ -241,9 +246,15 @@ class DFlashDrafter(nn.Module):
         x = block_embeds.to(ctx.dtype)
         block_rope = self.rotary_emb(x, block_positions)  # cos/sin [R, N*B, D]
         ctx_rope = self.rotary_emb(x, ctx_positions)  # [R, T, D]
+        recompute = self.checkpoint_layers and self.training and torch.is_grad_enabled()
         for layer in self.layers:
             mask = masks.for_variant(layer.variant) if masks is not None else None
-            x = layer(x, ctx, block_rope, ctx_rope, mask, backend, cache)
+            if recompute:
+                # Non-reentrant: works around compiled layers (their saved tensors go through the checkpoint's hooks)
+                # and restores autocast for the recomputation.
+                x = checkpoint(layer, x, ctx, block_rope, ctx_rope, mask, backend, cache, use_reentrant=False)
+            else:
+                x = layer(x, ctx, block_rope, ctx_rope, mask, backend, cache)
         return self.norm(x)
 
     def set_flex_kernel_options(self, options: dict[str, int | bool]) -> None:

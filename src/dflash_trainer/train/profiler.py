@@ -52,10 +52,19 @@ class StageStats(NamedTuple):
 StageSummary = dict[str, StageStats]
 
 
-class _StageTimer:
-    """Accumulates the timings of one stage; it is its own context manager, reused for every entry."""
+class StageMemory(NamedTuple):
+    """Device memory of one stage over its entries, in bytes: the most allocated on entering it (what earlier
+    stages left alive), and the peak while it ran (entry plus what the stage itself allocated at most)."""
 
-    __slots__ = ("_profiler", "_started", "count", "max_s", "sum_s")
+    entry_bytes: int
+    peak_bytes: int
+
+
+class _StageTimer:
+    """Accumulates the timings of one stage (and, when the profiler tracks memory, its memory); it is its own
+    context manager, reused for every entry."""
+
+    __slots__ = ("_profiler", "_started", "count", "entry_bytes", "max_s", "peak_bytes", "sum_s")
 
     def __init__(self, profiler: StageProfiler) -> None:
         self._profiler = profiler
@@ -63,8 +72,15 @@ class _StageTimer:
         self.count = 0
         self.sum_s = 0.0
         self.max_s = 0.0
+        self.entry_bytes = 0
+        self.peak_bytes = 0
 
     def __enter__(self) -> None:
+        memory_device = self._profiler.memory_device
+        if memory_device is not None:
+            # The caching allocator's own counters, kept on the host: reading and resetting them waits for nothing.
+            self.entry_bytes = max(self.entry_bytes, torch.cuda.memory_allocated(memory_device))
+            torch.cuda.reset_peak_memory_stats(memory_device)
         self._started = time.perf_counter()
 
     def __exit__(self, *exc_info: object) -> None:
@@ -75,6 +91,8 @@ class _StageTimer:
         self.count += 1
         self.sum_s += elapsed
         self.max_s = max(self.max_s, elapsed)
+        if self._profiler.memory_device is not None:
+            self.peak_bytes = max(self.peak_bytes, torch.cuda.max_memory_allocated(self._profiler.memory_device))
 
 
 _NULL_STAGE = contextlib.nullcontext()
@@ -90,11 +108,15 @@ class StageProfiler:
         sink: Callable[[str], object] = print,
         sync: bool = True,
         label: str = "local",
+        track_memory: bool = False,
     ) -> None:
         self.interval_s = float(interval_s)
         self.enabled = self.interval_s > 0
         device = torch.device(device)
         self.sync_device = device if (self.enabled and sync and device.type == "cuda") else None
+        # `track_memory` (CUDA, synchronised stages): each stage's entry and peak allocation (`memory()`). It resets
+        # the allocator's peak counter at every stage, so a caller reading the run's peak must read it before.
+        self.memory_device = self.sync_device if track_memory else None
         self.label = label
         self._sink = sink
         self._timers: dict[str, _StageTimer] = {}
@@ -139,6 +161,14 @@ class StageProfiler:
             elapsed = self.seconds_since_reset()
             stages[COVERED_STAGE] = StageStats(1, elapsed, elapsed)
         return stages
+
+    def memory(self) -> dict[str, StageMemory]:
+        """Per stage entered with memory tracking on: the largest entry allocation and peak seen."""
+        return {
+            name: StageMemory(timer.entry_bytes, timer.peak_bytes)
+            for name, timer in self._timers.items()
+            if timer.count > 0 and self.memory_device is not None
+        }
 
     def seconds_since_reset(self) -> float:
         return time.perf_counter() - self._interval_start

@@ -314,6 +314,7 @@ class Trainer:
             if self.config.drafter.init_layers_from_target is not None:
                 self._copy_target_layers(self.config.drafter.init_layers_from_target)
         self.drafter.set_flex_kernel_options(self.config.drafter.flex_kernel_options)
+        self.drafter.checkpoint_layers = self.config.drafter.activation_checkpointing
         if self.config.drafter.compile and self.device.type == "cuda":
             self.drafter.compile_layers(mode=self.config.drafter.compile_mode)
         self.sync = make_sync(
