@@ -9,12 +9,14 @@ import torch
 
 from dflash_trainer.model.loss import (
     LossMetrics,
+    TargetPositionLogits,
     block_slot_tokens,
     default_gamma,
     dflash_loss,
     expected_acceptance,
     greedy_next_tokens,
     slot_weights,
+    target_position_logits,
 )
 
 VOCAB = 50
@@ -383,6 +385,59 @@ def test_target_argmax_labels_per_position_equal_the_per_slot_argmax(chunk_posit
     torch.testing.assert_close(metrics, ref_metrics, rtol=1e-12, atol=0)
     torch.testing.assert_close(grad, ref_grad, rtol=1e-12, atol=1e-15)
     assert float(ref_metrics[4:].sum()) > 0  # some slots counted: the comparison covers real work
+
+
+@pytest.mark.parametrize("chunk_blocks", [1, 5, 64])
+@pytest.mark.parametrize("weighting", ["exp", "dpace"])
+def test_soft_labels_from_per_position_logits_equal_the_per_slot_path(chunk_blocks: int, weighting: str) -> None:
+    """The trainer's soft-label path with overlapping blocks: the target's logits once per position
+    (`target_position_logits`), gathered per slot by `block_state_rows`, must give the loss, metrics and gradient of
+    the LM head run on each slot's gathered state (float64), whatever the chunking; rows stay apart."""
+    from dflash_trainer.model.anchors import block_state_rows, gather_block_states
+
+    gen = torch.Generator().manual_seed(22)
+    rows, length, width, vocab, block = 2, 40, 8, 50, 4
+    final_hidden = torch.randn(rows, length, width, generator=gen, dtype=torch.float64)
+    weight = torch.randn(vocab, width, generator=gen, dtype=torch.float64)
+    bias = torch.randn(vocab, generator=gen, dtype=torch.float64)
+    anchors = torch.tensor([[0, 3, 4, 17, 36, 39], [1, 2, 20, 21, 22, 38]])  # overlapping, and the row's edges
+    hidden = torch.randn(rows, anchors.shape[1], block, width, generator=gen, dtype=torch.float64)
+    valid = torch.rand(rows, anchors.shape[1], block, generator=gen) < 0.8
+    labels = torch.randint(0, vocab, valid.shape, generator=gen)
+    common = dict(gamma=3.0, lm_head_bias=bias, label_source="soft", weighting=weighting, chunk_blocks=chunk_blocks)
+    results = []
+    for per_position in (False, True):
+        h = hidden.clone().requires_grad_(True)
+        if per_position:
+            target = TargetPositionLogits(
+                logits=target_position_logits(final_hidden, weight, lm_head_bias=bias),
+                slot_rows=block_state_rows(anchors=anchors, length=length, block_size=block),
+            )
+            out = dflash_loss(h, weight, labels, valid, target_logits=target, **common)
+        else:
+            states = gather_block_states(states=final_hidden, anchors=anchors, block_size=block)
+            out = dflash_loss(h, weight, labels, valid, target_hidden=states, **common)
+        out.loss.backward()
+        results.append((out.loss.detach(), out.metrics.to_tensor(), h.grad))
+    (ref_loss, ref_metrics, ref_grad), (loss, metrics, grad) = results
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-12, atol=0)
+    torch.testing.assert_close(metrics, ref_metrics, rtol=1e-12, atol=0)
+    torch.testing.assert_close(grad, ref_grad, rtol=1e-12, atol=1e-15)
+    assert float(ref_metrics[4:].sum()) > 0 and float(ref_loss) > 0
+
+
+def test_target_logits_are_checked_and_exclusive_with_target_hidden() -> None:
+    inputs = make_inputs()
+    rows, blocks, block_size = inputs["labels"].shape
+    good = TargetPositionLogits(
+        logits=torch.zeros(10, VOCAB, dtype=torch.float64), slot_rows=torch.zeros(rows, blocks, block_size).long()
+    )
+    args = (inputs["hidden"], inputs["weight"], inputs["labels"], inputs["valid"])
+    with pytest.raises(ValueError, match="once"):
+        dflash_loss(*args, gamma=4.0, label_source="soft", target_hidden=inputs["target_hidden"], target_logits=good)
+    bad = TargetPositionLogits(logits=good.logits[:, :-1], slot_rows=good.slot_rows)
+    with pytest.raises(ValueError, match="target_logits must be"):
+        dflash_loss(*args, gamma=4.0, label_source="soft", target_logits=bad)
 
 
 def test_greedy_next_tokens_reject_a_bad_chunk() -> None:

@@ -86,6 +86,40 @@ def test_target_argmax_labels_in_the_trainer_are_the_targets_greedy_tokens(tmp_p
     assert all(math.isfinite(r["loss"]) for r in read_metrics(tmp_path / "run"))
 
 
+def test_soft_labels_per_position_train_as_per_slot(tmp_path, shards, monkeypatch):
+    """With soft labels and overlapping blocks the trainer computes the target's logits once per position; three steps
+    give the losses of the per-slot path (the same products, gathered), and the per-position path was taken."""
+    from dflash_trainer.train import trainer as trainer_module
+
+    target = save_tiny_target(tmp_path / "target")
+    real = trainer_module.Trainer._soft_label_logits
+    taken = []
+
+    def spying(self, *args):
+        result = real(self, *args)
+        taken.append(result is not None)
+        return result
+
+    losses = []
+    for per_position in (True, False):
+        run = tmp_path / f"run-{per_position}"
+        monkeypatch.setattr(trainer_module.Trainer, "_soft_label_logits", spying if per_position else lambda *a: None)
+        recipe = write_recipe(
+            tmp_path / f"{per_position}.yaml",
+            run,
+            target,
+            shards,
+            train={"max_steps": 3},
+            loss={"label_source": "soft"},
+            metrics={"log_every": 1},
+        )
+        Trainer(load_config(recipe), log=lambda _: None).fit()
+        losses.append([r["loss"] for r in read_metrics(run)])
+    assert any(taken), taken  # chosen per batch: when it has fewer positions than block slots
+    assert len(losses[0]) == 3 and all(math.isfinite(x) for x in losses[0])
+    assert losses[0] == pytest.approx(losses[1], rel=1e-5)
+
+
 def run_cli(recipe: Path, *extra: str) -> subprocess.Popen:
     env = {**os.environ, "PYTHONPATH": str(SRC), "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
     return subprocess.Popen(

@@ -118,15 +118,21 @@ def block_labels(
     return labels, valid
 
 
+def block_state_rows(*, anchors: Tensor, length: int, block_size: int, shift: int = -1) -> Tensor:
+    """[R, N] anchors -> [R, N, B] int64: for slot k of the block anchored at a in row r, the index
+    r * T + clamp(a + k + shift) of the position it reads in per-position values flattened to [R*T, ...]."""
+    rows = anchors.shape[0]
+    index = anchors.unsqueeze(-1) + _slot_offsets(block_size, anchors.device) + shift  # [R, N, B]
+    index = torch.clamp(index, min=0, max=length - 1)
+    return index + (torch.arange(rows, device=anchors.device) * length).view(rows, 1, 1)
+
+
 def gather_block_states(*, states: Tensor, anchors: Tensor, block_size: int, shift: int = -1) -> Tensor:
     """states [R, T, H] -> [R, N, B, H] taken at a+k+shift (clamped). With shift -1 this is the target state whose
     LM-head output is the target's distribution for the token at a+k."""
-    rows, num_blocks = anchors.shape
-    index = anchors.unsqueeze(-1) + _slot_offsets(block_size, anchors.device) + shift
-    index = torch.clamp(index, min=0, max=states.shape[1] - 1).view(rows, -1)
-    hidden = states.shape[-1]
-    gathered = torch.gather(states, 1, index.unsqueeze(-1).expand(-1, -1, hidden))
-    return gathered.view(rows, num_blocks, block_size, hidden)
+    rows, length, hidden = states.shape
+    index = block_state_rows(anchors=anchors, length=length, block_size=block_size, shift=shift)
+    return states.reshape(rows * length, hidden)[index]  # [R, N, B, H]
 
 
 def kept_blocks_only(per_block: Tensor, *, index: Tensor) -> Tensor:

@@ -14,6 +14,12 @@ gradient with respect to the chunk's hidden states, then drops the logits. Backw
 matmul is not recomputed. This works because every weight is detached (constant to autograd) and the loss is
 linear in the per-slot terms.
 
+Soft labels need the target's distribution at every slot's position. Neighbouring blocks share all but one
+position (at the 27B seed setting each position sits in about 5 blocks), so the target's logits are best computed
+once per position (`target_position_logits`, [P, V] in the head's dtype, the same products the per-slot path takes)
+and gathered per chunk by each slot's row (`TargetPositionLogits.slot_rows`): the target's LM head then costs
+P instead of R*N*B rows, for [P, V] of memory (13.8K positions x 248K vocabulary = 6.9 GB in bf16).
+
 Fusion. On CUDA the per-chunk function is compiled (`compile=True`, static shapes: the blocks are padded with
 invalid ones to a whole number of chunks, so one graph serves every chunk and batch). It is written without
 in-place ops so that Inductor keeps only the [C*S, V] logits (written by the LM head matmul) and the bf16
@@ -175,6 +181,34 @@ class LossOutput:
 
 
 @dataclass(frozen=True)
+class TargetPositionLogits:
+    """The target's logits at every position of a batch, and for every block slot the row holding its position's.
+
+    logits [P, V] in the LM head's dtype (`target_position_logits`); slot_rows [R, N, B] int64 into its rows (for
+    slot k of the block anchored at a: the position a + k - 1, whose LM-head output is the target's distribution for
+    the token at a + k; `anchors.block_state_rows`)."""
+
+    logits: Tensor
+    slot_rows: Tensor
+
+
+def target_position_logits(
+    final_hidden: Tensor,  # [R, T, H] the target's final state (after its final norm)
+    lm_head_weight: Tensor,  # [V, H]
+    *,
+    lm_head_bias: Tensor | None = None,  # [V]
+    dtype: torch.dtype | None = None,
+) -> Tensor:
+    """[R*T, V] logits of every position in `dtype` (default the head's): the products `dflash_loss` takes per slot
+    with `target_hidden` (the same vectors and head in the same dtype), once per position."""
+    rows, length, width = final_hidden.shape
+    dtype = lm_head_weight.dtype if dtype is None else dtype
+    with torch.no_grad(), torch.autocast(device_type=final_hidden.device.type, enabled=False):
+        bias = None if lm_head_bias is None else lm_head_bias.to(dtype)
+        return F.linear(final_hidden.reshape(rows * length, width).to(dtype), lm_head_weight.to(dtype), bias)
+
+
+@dataclass(frozen=True)
 class _LossSpec:
     """Everything about the loss that is not a tensor input of the autograd Function."""
 
@@ -201,14 +235,16 @@ def dflash_loss(
     chunk_blocks: int = 64,
     lm_head_bias: Tensor | None = None,  # [V]
     compile: bool = False,
+    target_logits: TargetPositionLogits | None = None,
 ) -> LossOutput:
     """The weighted DFlash loss and its metrics. `gamma` None picks `default_gamma(B)`. `compile`: run the
-    per-chunk function compiled (CUDA only; elsewhere it is ignored).
+    per-chunk function compiled (CUDA only; elsewhere it is ignored). Labels other than `data` take the target's
+    distribution from `target_hidden` (its LM head per slot) or `target_logits` (computed once per position).
 
     Logits are computed in hidden's dtype (the LM head weight is cast to it once), the softmax in float32 (or
     float64 for float64 inputs). Gradients flow to `hidden` only: the LM head is frozen, and the target's
     hidden states are treated as constants."""
-    _check_inputs(hidden, lm_head_weight, labels, valid, target_hidden, lm_head_bias, label_source)
+    _check_inputs(hidden, lm_head_weight, labels, valid, target_hidden, target_logits, lm_head_bias, label_source)
     rows, num_blocks, block_size, width = hidden.shape
     if block_size < 2:
         raise ValueError(f"dflash_loss: block size (hidden.shape[2]) must be >= 2, got {block_size}")
@@ -239,6 +275,8 @@ def dflash_loss(
     )
     blocks = rows * num_blocks
     flat_target = None if target_hidden is None else target_hidden.reshape(blocks, block_size, width)
+    position_logits = None if target_logits is None else target_logits.logits
+    slot_rows = None if target_logits is None else target_logits.slot_rows.reshape(blocks, block_size)
     loss_sum, weight_sum, correct, count, prefix_sum, prefix_blocks = _ChunkedBlockLoss.apply(
         hidden.reshape(blocks, block_size, width),
         lm_head_weight,
@@ -246,6 +284,8 @@ def dflash_loss(
         labels.reshape(blocks, block_size),
         valid.reshape(blocks, block_size),
         flat_target,
+        position_logits,
+        slot_rows,
         spec,
     )
     # The weight sum is a constant to autograd, so dividing by it only scales the gradient.
@@ -311,6 +351,7 @@ def _check_inputs(
     labels: Tensor,
     valid: Tensor,
     target_hidden: Tensor | None,
+    target_logits: TargetPositionLogits | None,
     lm_head_bias: Tensor | None,
     label_source: str,
 ) -> None:
@@ -338,11 +379,20 @@ def _check_inputs(
         )
     if label_source not in ("data", "target_argmax", "soft"):
         raise ValueError(f"dflash_loss: label_source must be 'data', 'target_argmax' or 'soft', got {label_source!r}")
-    if label_source != "data" and (target_hidden is None or target_hidden.shape != hidden.shape):
+    if target_hidden is not None and target_logits is not None:
+        raise ValueError("dflash_loss: give the target's distribution once: target_hidden or target_logits")
+    if target_logits is not None:
+        logits, slot_rows = target_logits.logits, target_logits.slot_rows
+        if logits.dim() != 2 or logits.shape[1] != lm_head_weight.shape[0] or slot_rows.shape != block_shape:
+            raise ValueError(
+                f"dflash_loss: target_logits must be [P, V={lm_head_weight.shape[0]}] with slot_rows "
+                f"[R, N, B]={tuple(block_shape)}, got {tuple(logits.shape)} and {tuple(slot_rows.shape)}"
+            )
+    elif label_source != "data" and (target_hidden is None or target_hidden.shape != hidden.shape):
         got = None if target_hidden is None else tuple(target_hidden.shape)
         raise ValueError(
             f"dflash_loss: label_source {label_source!r} needs target_hidden of hidden's shape "
-            f"{tuple(hidden.shape)}, got {got}"
+            f"{tuple(hidden.shape)} or target_logits, got {got}"
         )
 
 
@@ -361,6 +411,8 @@ class _ChunkedBlockLoss(torch.autograd.Function):
         labels: Tensor,  # [M, B]
         valid: Tensor,  # [M, B]
         target_hidden: Tensor | None,  # [M, B, H]
+        position_logits: Tensor | None,  # [P, V]
+        slot_rows: Tensor | None,  # [M, B] int64 rows of position_logits
         spec: _LossSpec,
     ) -> tuple[Tensor, ...]:
         blocks, block_size, _ = hidden.shape
@@ -376,6 +428,7 @@ class _ChunkedBlockLoss(torch.autograd.Function):
             labels = F.pad(labels, (0, 0, 0, extra))
             valid = F.pad(valid, (0, 0, 0, extra), value=False)
             target_hidden = None if target_hidden is None else F.pad(target_hidden, (0, 0, 0, 0, 0, extra))
+            slot_rows = None if slot_rows is None else F.pad(slot_rows, (0, 0, 0, extra))
         # Autocast would pick its own matmul dtype; the dtypes here are chosen explicitly.
         with torch.autocast(device_type=device.type, enabled=False):
             weight = lm_head_weight.to(compute_dtype)  # [V, H]
@@ -389,6 +442,10 @@ class _ChunkedBlockLoss(torch.autograd.Function):
                 chunk = slice(start, min(start + step, hidden.shape[0]))
                 # Slot 0 is dropped here, statically: it never has loss, and skipping it saves 1/B of the
                 # LM head work.
+                chunk_target_logits = None
+                if slot_rows is not None:
+                    rows_of_chunk = slot_rows[chunk, 1:].reshape(-1)
+                    chunk_target_logits = position_logits.index_select(0, rows_of_chunk).to(compute_dtype)
                 chunk_totals, chunk_correct, chunk_count, chunk_grad = chunk_fn(
                     hidden[chunk, 1:],
                     weight,
@@ -396,6 +453,7 @@ class _ChunkedBlockLoss(torch.autograd.Function):
                     labels[chunk, 1:],
                     valid[chunk, 1:],
                     None if target_hidden is None else target_hidden[chunk, 1:].to(compute_dtype),
+                    chunk_target_logits,
                     slot_weight,
                     weighting=spec.weighting,
                     dpace_alpha=spec.dpace_alpha,
@@ -420,7 +478,7 @@ class _ChunkedBlockLoss(torch.autograd.Function):
     def backward(ctx: FunctionCtx, grad_loss_sum: Tensor, *_: Tensor) -> tuple[Tensor | None, ...]:
         (grad_hidden,) = ctx.saved_tensors
         grad = None if grad_hidden is None else grad_hidden * grad_loss_sum.to(grad_hidden.dtype)
-        return grad, None, None, None, None, None, None
+        return grad, None, None, None, None, None, None, None, None
 
 
 @lru_cache(maxsize=1)
@@ -436,6 +494,7 @@ def _loss_chunk(
     labels: Tensor,  # [C, S]
     valid: Tensor,  # [C, S]
     target_hidden: Tensor | None,  # [C, S, H]
+    target_logits: Tensor | None,  # [C*S, V] the target's logits per slot, when computed per position already
     slot_weight: Tensor,  # [S] exp weights in the softmax dtype
     *,
     weighting: Weighting,
@@ -456,7 +515,8 @@ def _loss_chunk(
     if label_source == "data":
         accept_labels = labels
     else:
-        target_logits = F.linear(target_hidden.reshape(chunk * slots, width), weight, bias)  # [C*S, V]
+        if target_logits is None:
+            target_logits = F.linear(target_hidden.reshape(chunk * slots, width), weight, bias)  # [C*S, V]
         accept_labels = target_logits.argmax(dim=-1).view(chunk, slots)
         if label_source == "soft":
             target_log_probs = torch.log_softmax(target_logits, dim=-1, dtype=softmax_dtype)

@@ -49,11 +49,18 @@ from ..data.sampler import BatchPlan
 from ..devices import resolve_device
 from ..distributed.failure import FaultInjection
 from ..distributed.world import World
-from ..model.anchors import gather_block_states, kept_blocks_only
+from ..model.anchors import block_state_rows, gather_block_states, kept_blocks_only
 from ..model.attention import build_masks, resolve_backend
 from ..model.config import DrafterModelConfig
 from ..model.drafter import DFlashDrafter
-from ..model.loss import LossMetrics, block_slot_tokens, default_gamma, dflash_loss
+from ..model.loss import (
+    LossMetrics,
+    TargetPositionLogits,
+    block_slot_tokens,
+    default_gamma,
+    dflash_loss,
+    target_position_logits,
+)
 from ..model.noise import add_feature_noise, noise_std_at
 from ..model.target_init import copy_target_layers, resolve_layer_ids
 from ..targets.capture import (
@@ -577,11 +584,15 @@ class Trainer:
                         outputs = outputs.with_next_tokens(self.lm_head, chunk_positions=chunk)
                     labels = block_slot_tokens(outputs.next_tokens, batch.anchors, block_size=block)
                     label_source = "data"
-                elif outputs.final_hidden is not None:
-                    target_hidden = gather_block_states(
-                        states=outputs.final_hidden, anchors=batch.anchors, block_size=block
-                    )
                 kept = partial(kept_blocks_only, index=batch.kept_blocks)
+                target_logits = None
+                if label_source != "data" and outputs.final_hidden is not None:
+                    if label_source == "soft":
+                        target_logits = self._soft_label_logits(outputs.final_hidden, batch, kept)
+                    if target_logits is None:
+                        target_hidden = gather_block_states(
+                            states=outputs.final_hidden, anchors=batch.anchors, block_size=block
+                        )
                 # Hand the loss hidden states in the LM head's dtype: an fp32 hidden would copy a bf16 head to fp32.
                 hidden = hidden.to(self.lm_head.weight.dtype).view(rows, num_blocks, block, -1)  # [R, N, B, H]
                 result = dflash_loss(
@@ -597,10 +608,25 @@ class Trainer:
                     chunk_blocks=loss_config.chunk_blocks,
                     lm_head_bias=getattr(self.lm_head, "bias", None),
                     compile=loss_config.compile,
+                    target_logits=target_logits,
                 )
         with self.profiler.stage("backward"):
             (result.loss * scale).backward()
         return result.metrics
+
+    def _soft_label_logits(
+        self, final_hidden: torch.Tensor, batch: TrainBatch, kept: Callable[[torch.Tensor], torch.Tensor]
+    ) -> TargetPositionLogits | None:
+        """The target's logits once per position (`model/loss.py`), when the batch has fewer positions than the loss
+        has block slots (blocks overlap: each position sits in several); None: per slot is less work."""
+        rows, length, _ = final_hidden.shape
+        if rows * length >= batch.kept_blocks.numel() * self.model_config.block_size:
+            return None
+        logits = target_position_logits(
+            final_hidden, self.lm_head.weight, lm_head_bias=getattr(self.lm_head, "bias", None)
+        )  # [R*T, V]
+        rows_of_slots = block_state_rows(anchors=batch.anchors, length=length, block_size=self.model_config.block_size)
+        return TargetPositionLogits(logits=logits, slot_rows=kept(rows_of_slots))
 
     def _noisy(self, features: torch.Tensor) -> torch.Tensor:
         noise = self.config.noise
