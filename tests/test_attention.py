@@ -28,7 +28,9 @@ from model_helpers import random_packed_batch, tiny_drafter_config
 
 
 def reference_mask(anchors, keep, doc_ids, block_size, window, causal_in_block):
-    """Explicit loops over (row, query, key): the rule of DESIGN §2 written out."""
+    """Explicit loops over (row, query, key): the rule of DESIGN §2 written out from positions. The query of block n
+    at slot k sits at position a_n + k; a context key at its row index (positions run on within a document), a key
+    of block m at slot j at a_m + j. A sliding layer keeps the keys less than W positions from the query."""
     rows, num_blocks = anchors.shape
     length = doc_ids.shape[1]
     q_len = num_blocks * block_size
@@ -37,36 +39,43 @@ def reference_mask(anchors, keep, doc_ids, block_size, window, causal_in_block):
         for q in range(q_len):
             n, slot = divmod(q, block_size)
             a = int(anchors[r, n])
+            query_position = a + slot
             for kv in range(length + q_len):
                 if kv < length:
+                    key_position = kv
                     ok = bool(keep[r, n]) and kv < a and doc_ids[r, kv] == doc_ids[r, a]
-                    if window is not None:
-                        ok = ok and kv >= a - window
                 else:
                     m, kv_slot = divmod(kv - length, block_size)
+                    key_position = int(anchors[r, m]) + kv_slot
                     ok = m == n and (not causal_in_block or kv_slot <= slot)
+                if window is not None:
+                    ok = ok and abs(query_position - key_position) < window
                 out[r, q, kv] = ok
     return out
 
 
 def oracle_mask_mod(*, anchors, anchor_keep, doc_ids, block_size, context_len, window=None, causal_in_block=False):
     """The rule element by element, as production evaluated it before the context ranges: document ids compared per
-    key (no contiguity assumed), the anchor's keep flag and window per element, block membership by division."""
+    key (no contiguity assumed), the anchor's keep flag and the window per element from the query's and the key's
+    positions, block membership by division."""
     last_ctx = context_len - 1
 
     def mask_mod(b, h, q_idx, kv_idx):
         q_block = q_idx // block_size
         anchor = anchors[b, q_block]
+        query_position = anchor + q_idx % block_size
         is_ctx = kv_idx < context_len
         ctx_pos = torch.clamp(kv_idx, max=last_ctx)
         same_doc = doc_ids[b, ctx_pos] == doc_ids[b, anchor]
         ctx_ok = is_ctx & (kv_idx < anchor) & same_doc & anchor_keep[b, q_block]
-        if window is not None:
-            ctx_ok = ctx_ok & (kv_idx >= anchor - window)
         block_kv = torch.clamp(kv_idx - context_len, min=0)
         in_block = ~is_ctx & (block_kv // block_size == q_block)
         if causal_in_block:
             in_block = in_block & (block_kv % block_size <= q_idx % block_size)
+        if window is not None:
+            key_position = torch.where(is_ctx, kv_idx, anchor + block_kv % block_size)
+            near = (query_position - key_position).abs() < window
+            ctx_ok, in_block = ctx_ok & near, in_block & near
         return ctx_ok | in_block
 
     return mask_mod
@@ -85,7 +94,7 @@ def random_mask_inputs(block_size: int, seed: int):
 
 
 @pytest.mark.parametrize("block_size", [4, 8, 16])
-@pytest.mark.parametrize("window", [None, 5])
+@pytest.mark.parametrize("window", [None, 1, 5])
 @pytest.mark.parametrize("causal_in_block", [False, True])
 def test_mask_mod_matches_brute_force(block_size, window, causal_in_block):
     for seed in range(2):
@@ -204,9 +213,11 @@ def test_mask_mod_stays_int32():
     from torch.fx.experimental.proxy_tensor import make_fx
 
     anchors, keep, doc_ids = random_mask_inputs(4, 0)
-    for window, causal in ((None, False), (5, True)):
+    for window, causal in ((None, False), (5, True), (2, False)):
         lo, hi = context_ranges(anchors=anchors, anchor_keep=keep, doc_ids=doc_ids, window=window)
-        mask_mod = mask_from_ranges(lo, hi, block_size=4, context_len=doc_ids.shape[1], causal_in_block=causal)
+        mask_mod = mask_from_ranges(
+            lo, hi, block_size=4, context_len=doc_ids.shape[1], window=window, causal_in_block=causal
+        )
         graph = make_fx(mask_mod)(*(torch.zeros(1, dtype=torch.int32) for _ in range(4))).graph
         dtypes = {node.meta["val"].dtype for node in graph.nodes if isinstance(node.meta.get("val"), torch.Tensor)}
         assert dtypes == {torch.int32, torch.bool}
@@ -240,13 +251,13 @@ def drafter_forward(drafter, batch, embed, masks, backend):
         )
 
 
-@pytest.mark.parametrize("sliding", [False, True])
+@pytest.mark.parametrize("sliding", [None, (6, True), (3, False)], ids=["full", "window-6-causal", "window-3"])
 @pytest.mark.parametrize("tile", [128, 16])
 def test_flex_and_dense_drafter_forward_agree(sliding, tile):
     config = tiny_drafter_config(
         layer_types=["sliding_attention", "full_attention"] if sliding else None,
-        sliding_window=6 if sliding else None,
-        sliding_causal_in_block=sliding,
+        sliding_window=sliding[0] if sliding else None,
+        sliding_causal_in_block=sliding[1] if sliding else False,
     )
     torch.manual_seed(0)
     drafter = DFlashDrafter(config).eval()
@@ -267,6 +278,96 @@ def test_flex_and_dense_drafter_forward_agree(sliding, tile):
             assert (tile, tile) == masks.for_variant(drafter.mask_variants[0]).BLOCK_SIZE
         outputs[backend] = drafter_forward(drafter, batch, embed, masks, backend)
     torch.testing.assert_close(outputs["flex"], outputs["sdpa"], rtol=1e-5, atol=1e-5)
+
+
+def per_block_reference(drafter, batch, embed, *, row: int, block: int) -> torch.Tensor:
+    """The drafter's final hidden states [B, H] for one block computed as a serving engine does at inference, in
+    float64, with no mask machinery of ours: the context is the features of the anchor's document before the anchor
+    (the committed prefix), the block sits at positions p = a .. a+B-1 after it, and each layer's attention is a
+    dense softmax over [context; block] keys in which a query at position p sees a key at position c when (on
+    sliding layers) |p - c| < W, and a block key only at or before its own slot when the layer is causal in-block."""
+    config = drafter.config
+    size = config.block_size
+    anchor = int(batch.anchors[row, block])
+    doc = batch.doc_ids[row]
+    start = int((doc[:anchor] != doc[anchor]).nonzero().max()) + 1 if (doc[:anchor] != doc[anchor]).any() else 0
+    end = anchor if bool(batch.anchor_keep[row, block]) else start  # a dropped block sees no context
+    positions = batch.position_ids[row]
+    ctx_pos = positions[start:end].double()  # [C]
+    block_pos = batch.block_pos[row, block * size : (block + 1) * size].double()  # [B]
+    key_pos = torch.cat([ctx_pos, block_pos])  # [C + B]
+    inv_freq = drafter._inv_freq_fp32.double()
+
+    def rope(x, pos):  # x [heads, S, D]
+        angle = pos[:, None] * inv_freq[None]
+        cos, sin = torch.cat([angle, angle], -1).cos(), torch.cat([angle, angle], -1).sin()
+        half = x.shape[-1] // 2
+        return x * cos + torch.cat([-x[..., half:], x[..., :half]], -1) * sin
+
+    def heads(x, count):  # [S, count*D] -> [count, S, D]
+        return x.view(x.shape[0], count, config.head_dim).transpose(0, 1)
+
+    ctx = drafter.hidden_norm(drafter.fc(batch.features[row, start:end].double()))  # [C, H]
+    x = embed(batch.block_ids[row, block * size : (block + 1) * size]).double()  # [B, H]
+    slot = torch.arange(size)
+    num_ctx = ctx.shape[0]
+    for layer_index, layer in enumerate(drafter.layers):
+        attn = layer.self_attn
+        window = config.layer_window(layer_index)
+        visible = torch.ones(size, num_ctx + size, dtype=torch.bool)
+        if config.layer_causal_in_block(layer_index):
+            visible[:, num_ctx:] = slot[None, :] <= slot[:, None]
+        if window is not None:
+            visible &= (block_pos[:, None] - key_pos[None, :]).abs() < window
+        h = layer.input_layernorm(x)
+        q = rope(attn.q_norm(heads(attn.q_proj(h), attn.heads)), block_pos)  # [Hq, B, D]
+        kv_in = torch.cat([ctx, h])
+        k = rope(attn.k_norm(heads(attn.k_proj(kv_in), attn.kv_heads)), key_pos)  # [Hkv, C + B, D]
+        v = heads(attn.v_proj(kv_in), attn.kv_heads)
+        groups = attn.heads // attn.kv_heads
+        k, v = k.repeat_interleave(groups, 0), v.repeat_interleave(groups, 0)
+        scores = (q @ k.transpose(-1, -2) * attn.scale).masked_fill(~visible, float("-inf"))
+        out = (scores.softmax(-1) @ v).transpose(0, 1).reshape(size, -1)  # [B, Hq*D]
+        x = x + attn.o_proj(out)
+        x = x + layer.mlp(layer.post_attention_layernorm(x))
+    return drafter.norm(x)
+
+
+@pytest.mark.parametrize(
+    ("block_size", "window", "causal"), [(4, 6, False), (4, 6, True), (8, 3, False), (8, 3, True), (4, 1, False)]
+)
+def test_sliding_drafter_forward_equals_the_engines_rule_per_block(block_size, window, causal):
+    """The training forward over a packed batch (SDPA, dense mask) with a sliding and a full layer gives, for every
+    block, what an independent per-block forward at inference gives: the window per query position, counting the
+    query itself (windows narrower than the block, and of one token, included)."""
+    config = tiny_drafter_config(
+        block_size=block_size,
+        layer_types=["sliding_attention", "full_attention"],
+        sliding_window=window,
+        sliding_causal_in_block=causal,
+    )
+    torch.manual_seed(0)
+    drafter = DFlashDrafter(config).double().eval()
+    batch = random_packed_batch(config, length=48, max_anchors=3, seed=block_size + window)
+    batch.features = batch.features.double()
+    embed = torch.nn.Embedding(config.vocab_size, config.hidden_size).double()
+    masks = build_masks(
+        anchors=batch.anchors,
+        anchor_keep=batch.anchor_keep,
+        doc_ids=batch.doc_ids,
+        block_size=block_size,
+        variants=drafter.mask_variants,
+        backend="sdpa",
+    )
+    trained = drafter_forward(drafter, batch, embed, masks, "sdpa")  # [R, N*B, H]
+    rows, num_blocks = batch.anchors.shape
+    with torch.no_grad():
+        for row in range(rows):
+            for block in range(num_blocks):
+                expected = per_block_reference(drafter, batch, embed, row=row, block=block)
+                got = trained[row, block * block_size : (block + 1) * block_size]
+                torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-6)  # RoPE angles are float32
+    assert batch.anchor_keep.any() and (batch.anchors > window + block_size).any()  # windows that cut the context
 
 
 def test_attend_tells_flex_the_lengths_are_whole_tiles_only_when_they_are(monkeypatch):
@@ -391,8 +492,9 @@ def long_document_inputs(window_seed: int):
         dict(block_size=10, length=300, anchors=20, window=None, causal=False),  # blocks straddle query tiles
         dict(block_size=16, length=1024, anchors=0, window=None, causal=False),
         dict(block_size=16, length=1024, anchors=0, window=200, causal=False),
+        dict(block_size=16, length=300, anchors=16, window=6, causal=False),  # a window narrower than the block
     ],
-    ids=["b16", "b16-window-causal", "b4", "b10", "long-docs", "long-docs-window"],
+    ids=["b16", "b16-window-causal", "b4", "b10", "long-docs", "long-docs-window", "b16-window-6"],
 )
 def test_tile_tables_from_anchors_equal_create_block_mask(case):
     """The tables built from the anchors alone are exactly those of evaluating the mask on the whole grid."""

@@ -3,34 +3,64 @@
 Layout. Queries are the block tokens of a row, `[N*B]` (block n, slot k at n*B + k). Keys are the row's T context
 entries followed by the same N*B block tokens: `kv < T` is context position kv, `kv >= T` is block token kv - T.
 
-Rule (DESIGN §2). A query of block n anchored at a sees
+Rule (DESIGN §2). A query of block n anchored at a, at slot k (position p = a + k), sees
 - context positions kv < a (strictly: the anchor's own hidden state does not exist yet at inference), of the same
-  document as the anchor, and for sliding-window layers only the last W of them (kv >= a - W);
+  document as the anchor;
 - every slot of its own block (bidirectional), or only slots <= its own when the layer is causal in-block;
 - nothing of any other block.
+Sliding-window layers of window W keep of these only the keys within W of the query's own position, counting the
+query itself: a key at position c is visible when |p - c| < W. For the context (c < a <= p) that is c > p - W: slot
+k sees the W - 1 - k context positions before a (fewer near the document start; none for k >= W - 1), so slot 0
+sees W - 1 and the window moves with the query, not with the block. Own-block slot j is visible when |k - j| < W,
+which hides nothing unless W < B.
 Dropped anchors (`anchor_keep` False) lose their context but keep their own block, so no query row is empty (an
 all-masked row is NaN in SDPA); the loss ignores them anyway.
 
+The window as the serving engines apply it at inference (what the rule above reproduces; read 2026-12):
+- vLLM (`model_executor/models/qwen3_dflash.py`, `v1/spec_decode/dflash.py`, `v1/attention/backends/
+  flash_attn.py`): the drafter's context K/V sit in the paged cache at their positions 0..a-1 and the B block
+  tokens are the queries at a..a+B-1 (seq_len a + B, so FlashAttention's bottom-right alignment puts query k on key
+  a + k). Each layer passes `sliding_window` W as `per_layer_sliding_window`; the backend turns it into
+  FlashAttention's `window_size = (W - 1, 0)`: keys from position p - (W - 1) to p, the query's own key included.
+  Layers are causal in-block (`layer_types` sliding layers by default, or all layers with `dflash_config.causal:
+  true` / `is_causal: true`) or not (`causal: false`); for non-causal sliding layers vLLM PR #46104 widens the
+  window symmetrically to (W - 1, W - 1), so block keys up to p + W - 1 stay visible (with (W - 1, 0), what the
+  backends give decoder layers otherwise, FlashAttention hides the later slots: causal in effect).
+- SGLang (`srt/models/dflash.py`, `srt/speculative/dflash_utils.py`): `sliding_attention` layers are
+  `AttentionType.DECODER` (causal) with `sliding_window_size = sliding_window - 1` ("HF windows include the
+  current token; SGLang stores window_left"); its FlashAttention backends pass `window_size = (W - 1, 0)` for every
+  sliding layer, so a sliding layer runs causal in-block there whatever the config asks.
+- z-lab `dflash/model.py` (the reference `DFlashDraftModel`): a layer listed as `sliding_attention` passes
+  `config.sliding_window` to the attention function with no mask and `is_causal=False`; with transformers'
+  flash_attention_2 that is window (W - 1, W - 1) around the query (bottom-right aligned: key index = position);
+  SDPA and eager ignore the argument (no window at all).
+All three count W keys ending at the query itself on the context side (transformers' `sliding_window`: q - kv < W),
+which is `p - c < W` above. In-block causality is a per-layer setting of ours (`MaskVariant.causal_in_block`,
+`drafter.sliding_causal_in_block`), written into the export for the engines (export.py).
+
 As evaluated (`context_ranges`, `mask_from_ranges`). Documents are contiguous runs of one id (as `collate` lays
 them out, trailing padding -1 being one more run), so the context of a kept block anchored at a is the single range
-[lo, hi) with hi = a and lo = max(start of a's document, a - W); a dropped block gets an empty range (lo = hi).
-The ranges are computed once per batch ([R, N] int32), and the `mask_mod` reads two of them per query and does a
-few int32 compares per element:
+[lo, hi) with hi = a and lo = max(start of a's document, a - W + 1): the context of its slot 0, the widest of its
+slots; a dropped block gets an empty range (lo = hi). Slot k adds the bound kv >= a - W + 1 + k. The ranges are
+computed once per batch ([R, N] int32), and the `mask_mod` reads two of them per query and does a few int32
+compares per element:
     n = q // B;  (lo[n] <= kv < hi[n])  |  (T + n*B <= kv < T + n*B + B)    (kv <= T + q when causal in-block)
-That is the rule above exactly: kv < hi = a <= T - 1 keeps the context part to context keys, and the own-block part
-only ever names block keys. flex passes `q_idx`/`kv_idx` as int32 scalars and `dense_mask` builds int32 grids; the
-ranges are int32 and everything else is a Python int, so no element op runs in int64 (the partial tiles evaluate
-the mask on all of their elements on CUDA cores, so that work is on the hot path). `tests/test_attention.py` keeps
-the element-wise rule (document ids compared per key) as the oracle the ranges must equal.
+and on sliding layers additionally kv - q >= hi[n] - n*B - W + 1 on the context part (p - kv < W with p = hi[n] +
+q - n*B) and |kv - T - q| < W on the block part (only when W < B). That is the rule above exactly: kv < hi = a <=
+T - 1 keeps the context part to context keys, and the own-block part only ever names block keys. flex passes
+`q_idx`/`kv_idx` as int32 scalars and `dense_mask` builds int32 grids; the ranges are int32 and everything else is
+a Python int, so no element op runs in int64 (the partial tiles evaluate the mask on all of their elements on CUDA
+cores, so that work is on the hot path). `tests/test_attention.py` keeps the element-wise rule (document ids
+compared per key, positions per query) as the oracle the ranges must equal.
 
 GPU: flex_attention with a BlockMask built once per batch per layer variant. Default builder ("anchors"): the
 tile tables (which query/key tiles, 128 x 128 or `drafter.flex_tile`, are empty, full, or partial) come from the
 same context ranges (`tile_tables`), with no pass over the Q x KV grid: a block's context is one contiguous key
-range, its own block is one contiguous key range, and nothing else is visible. The tables and the ranges are
-small integer tensors ([R, Qt, KVt], [R, N]), computed on the CPU in the data stage (or on any device) and travel
-together (`TileTables`), so the step builds the `mask_mod` without any kernel and the BlockMask with a few small
-ones (its transposed tables); the kernel evaluates the `mask_mod` inside partial tiles, so the mask is exactly
-the rule.
+range per slot (nested: later slots see a suffix of slot 0's), its own block is one contiguous key range, and
+nothing else is visible. The tables and the ranges are small integer tensors ([R, Qt, KVt], [R, N]), computed on
+the CPU in the data stage (or on any device) and travel together (`TileTables`), so the step builds the `mask_mod`
+without any kernel and the BlockMask with a few small ones (its transposed tables); the kernel evaluates the
+`mask_mod` inside partial tiles, so the mask is exactly the rule.
 `tests/test_attention.py` checks the tables against `create_block_mask`. The "mask_mod" builder
 (`create_block_mask`, compiled) is kept as the reference and ablation.
 CPU: SDPA with a dense boolean mask evaluated from the same `mask_mod` on broadcast int32 index tensors.
@@ -70,11 +100,12 @@ def context_ranges(
     doc_ids: Tensor,  # [R, T] int64, contiguous runs per document, -1 on padding
     window: int | None = None,
 ) -> tuple[Tensor, Tensor]:
-    """The context keys each block sees, as a range [lo, hi): (lo, hi) int32 [R, N].
+    """The context keys of each block's slot 0, as a range [lo, hi): (lo, hi) int32 [R, N].
 
-    hi = a and lo = max(start of a's document, a - W) for a kept block anchored at a; lo = hi (empty) for a
-    dropped one, and for one with nothing before its anchor in its document. Correct because a document is one
-    contiguous run of its id: its positions before a are exactly [start, a). Cost O(R * (T + N))."""
+    hi = a and lo = max(start of a's document, a - W + 1) for a kept block anchored at a; lo = hi (empty) for a
+    dropped one, and for one with nothing before its anchor in its document. Slot k of a sliding layer sees the
+    suffix [max(lo, a - W + 1 + k), a) of it (`mask_from_ranges`). Correct because a document is one contiguous run
+    of its id: its positions before a are exactly [start, a). Cost O(R * (T + N))."""
     rows, context_len = doc_ids.shape
     anchors = anchors.long()
     # Start of each position's document: the last index <= t where the document id changed.
@@ -84,7 +115,7 @@ def context_ranges(
     doc_start = torch.where(starts, index, torch.zeros_like(index)).cummax(dim=1).values  # [R, T]
     lo = torch.gather(doc_start, 1, anchors)
     if window is not None:
-        lo = torch.maximum(lo, anchors - window)
+        lo = torch.maximum(lo, anchors - (window - 1))  # slot 0 at position a: c > a - W
     hi = torch.where(anchor_keep, anchors, lo)
     return lo.to(torch.int32), hi.to(torch.int32)
 
@@ -95,19 +126,33 @@ def mask_from_ranges(
     *,
     block_size: int,
     context_len: int,
+    window: int | None = None,
     causal_in_block: bool = False,
 ) -> MaskMod:
-    """The `mask_mod` of the rule given the blocks' context ranges (`context_ranges`): a query of block n sees
-    context keys [lo[n], hi[n]) and its own block's keys [T + n*B, T + n*B + B), or [T + n*B, T + q] when causal
-    in-block. Tensor ops only (it runs on flex's scalar indices and on broadcast grids), all int32 given int32
-    indices: the ranges are int32 and the sizes Python ints, so nothing promotes to int64."""
+    """The `mask_mod` of the rule given the blocks' context ranges (`context_ranges` with the same `window`): a
+    query of block n sees context keys [lo[n], hi[n]) and its own block's keys [T + n*B, T + n*B + B), or
+    [T + n*B, T + q] when causal in-block; with a window, only the keys within W of its own position. Tensor ops only
+    (it runs on flex's scalar indices and on broadcast grids), all int32 given int32 indices: the ranges are int32
+    and the sizes Python ints, so nothing promotes to int64."""
+    # Block keys at most B - 1 slots away from the query: only a window narrower than the block hides some.
+    block_window = window is not None and window < block_size
 
     def mask_mod(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
         q_block = q_idx // block_size
         own = q_block * block_size + context_len  # first key of the query's own block
-        context = (kv_idx >= lo[b, q_block]) & (kv_idx < hi[b, q_block])
+        anchor = hi[b, q_block]  # a for a kept block; a dropped one has lo = hi: no context at all
+        context = (kv_idx >= lo[b, q_block]) & (kv_idx < anchor)
+        if window is not None:
+            # The query sits at position p = a + q - n*B, the context key at kv: visible when p - kv < W.
+            context = context & (kv_idx - q_idx > anchor - own + (context_len - window))
         own_end = (kv_idx <= q_idx + context_len) if causal_in_block else (kv_idx < own + block_size)
-        return context | ((kv_idx >= own) & own_end)
+        block = (kv_idx >= own) & own_end
+        if block_window:
+            slots_apart = kv_idx - context_len - q_idx  # j - k for key slot j, query slot k
+            block = block & (slots_apart > -window)
+            if not causal_in_block:
+                block = block & (slots_apart < window)
+        return context | block
 
     return mask_mod
 
@@ -124,7 +169,9 @@ def dflash_mask_mod(
 ) -> MaskMod:
     """The rule's `mask_mod` from the anchors: `mask_from_ranges` over `context_ranges`."""
     lo, hi = context_ranges(anchors=anchors, anchor_keep=anchor_keep, doc_ids=doc_ids, window=window)
-    return mask_from_ranges(lo, hi, block_size=block_size, context_len=context_len, causal_in_block=causal_in_block)
+    return mask_from_ranges(
+        lo, hi, block_size=block_size, context_len=context_len, window=window, causal_in_block=causal_in_block
+    )
 
 
 def dense_mask(mask_mod: MaskMod, *, rows: int, q_len: int, kv_len: int, device: torch.device) -> Tensor:
@@ -164,7 +211,7 @@ class TileTables:
     kv_indices: Tensor  # [R, 1, Qt, KVt] int32: partial key tiles first, ascending
     full_kv_num_blocks: Tensor  # [R, 1, Qt] int32
     full_kv_indices: Tensor  # [R, 1, Qt, KVt] int32
-    lo: Tensor  # [R, N] int32: block n sees context keys [lo, hi)
+    lo: Tensor  # [R, N] int32: slot 0 of block n sees context keys [lo, hi) (`context_ranges`)
     hi: Tensor  # [R, N] int32
     tile: int = TILE  # queries and keys per tile (the BlockMask's BLOCK_SIZE)
 
@@ -190,14 +237,18 @@ def tile_tables(
     tile: int = TILE,
 ) -> TileTables:
     """The tile tables of `dflash_mask_mod` over [N*B queries, T + N*B keys] from the anchors alone, in tiles of
-    `tile` queries x `tile` keys.
+    `tile` queries x `tile` keys, for the bidirectional block (the causal one shares them: `mask_tables`).
 
-    Block n sees context [lo, hi) (`context_ranges`: [max(doc start, a - W), a) when kept, empty when dropped), and
-    its own block's keys. A block must fit in a tile (B <= tile): it is counted in the query tiles of its first and
-    last query only. A (query tile, key tile) pair is touched when some block of the query tile sees some key of
-    the tile, and full when every query of the (complete) tile sees every key of the (complete, context-only)
-    tile; own-block tiles are always partial (they also hold other blocks' keys, or a causal in-block mask).
-    Cost: O(R * (N + Qt * KVt)) integer work, no pass over queries x keys."""
+    Slot k of block n sees the context [lo_k, hi) with lo_k = lo (`context_ranges`), or on a sliding layer
+    max(lo, a - W + 1 + k): nested ranges, the widest at slot 0. A block must fit in a tile (B <= tile): it is
+    counted in the query tiles of its first and last query only, with the slots it has there; in each, the key
+    tiles its first slot there touches and those its last slot there sees whole (complete context tiles inside its
+    range) are counted per query tile with difference arrays over the key tiles. A (query tile, key tile) pair is
+    touched when some query of the tile sees some key of the tile, and full when every query of the (complete)
+    tile sees every key of the (complete, context-only) tile. The own-block keys of a query tile are one contiguous
+    range (with a window: those within W - 1 slots of its first and last query), always partial tiles (they also
+    hold other blocks' keys, or a causal in-block mask). Cost: O(R * (N + Qt * KVt)) integer work, no pass over
+    queries x keys."""
     rows, num_blocks = anchors.shape
     context_len = doc_ids.shape[1]
     device = anchors.device
@@ -206,23 +257,31 @@ def tile_tables(
     kv_tiles = -(-(context_len + q_len) // tile)
     ranges = context_ranges(anchors=anchors, anchor_keep=anchor_keep, doc_ids=doc_ids, window=window)
     lo, hi = (bound.long() for bound in ranges)  # int64: they become scatter indices below
-    seen = lo < hi  # [R, N]: the block sees some context
-    # Per block, the key tiles it touches [lo // tile, (hi - 1) // tile] and those it sees whole (complete
-    # context tiles inside [lo, hi)), counted per query tile with difference arrays over the key tiles.
-    touch_first, touch_last = lo // tile, (hi - 1) // tile
-    full_first, full_last = -(-lo // tile), torch.clamp(hi // tile, max=context_len // tile) - 1
     q_tile = torch.arange(q_tiles, device=device)
     first = (q_tile * tile) // block_size  # [Qt]: blocks [first, last] hold the queries of query tile i
     last = torch.clamp((q_tile * tile + tile - 1) // block_size, max=num_blocks - 1)
-    block = torch.arange(num_blocks, device=device)
-    # A block belongs to the query tiles of its first and its last query (the same one unless it straddles).
-    tile_of_block = [(block * block_size) // tile, (block * block_size + block_size - 1) // tile]
+    block_start = torch.arange(num_blocks, device=device) * block_size  # [N]: first query of each block
+    # A block belongs to the query tiles of its first and its last query (the same one unless it straddles), with
+    # its slots [first_slot, last_slot] there: all B, or those before / from the tile boundary.
+    tile_of_block = [block_start // tile, (block_start + block_size - 1) // tile]
+    first_slot = [torch.zeros_like(block_start), torch.clamp(tile_of_block[1] * tile - block_start, min=0)]
+    last_slot = [
+        torch.clamp((tile_of_block[0] + 1) * tile - block_start, max=block_size) - 1,
+        torch.full_like(block_start, block_size - 1),
+    ]
 
-    def covering(first_tile: Tensor, last_tile: Tensor, present: Tensor) -> Tensor:
-        """[R, Qt, KVt] int32: blocks of each query tile whose range [first_tile, last_tile] covers key tile j."""
+    def context_start(slot: Tensor) -> Tensor:
+        """[N] slots -> [R, N]: the first context key each block's query at that slot sees (hi: none)."""
+        if window is None:
+            return lo
+        return torch.minimum(torch.maximum(lo, hi - (window - 1) + slot), hi)
+
+    def covering(bounds: list[tuple[Tensor, Tensor, Tensor]]) -> Tensor:
+        """[R, Qt, KVt] int32: blocks of each query tile whose key-tile range [first_tile, last_tile] (one per query
+        tile of the block, in `tile_of_block` order; counted where `present`) covers key tile j."""
         diff = torch.zeros(rows, q_tiles, kv_tiles + 1, dtype=torch.int32, device=device)
-        weight = present.to(torch.int32)
-        for k, query_tile in enumerate(tile_of_block):
+        for k, (query_tile, (first_tile, last_tile, present)) in enumerate(zip(tile_of_block, bounds, strict=True)):
+            weight = present.to(torch.int32)
             if k == 1:  # count a straddling block in its second query tile too, and no other block twice
                 weight = weight * (query_tile != tile_of_block[0]).to(torch.int32)
             base = query_tile * (kv_tiles + 1)  # [N]
@@ -231,14 +290,24 @@ def tile_tables(
             flat.scatter_add_(1, base + torch.clamp(last_tile + 1, min=0), -weight)
         return diff.cumsum(dim=-1)[..., :kv_tiles]
 
-    touched_tiles = covering(touch_first, touch_last, seen) > 0
-    full_present = seen & (full_first <= full_last)
+    touched, whole = [], []
+    for k in range(2):
+        touch_lo = context_start(first_slot[k])  # the widest range among the block's slots in that query tile
+        touched.append((touch_lo // tile, (hi - 1) // tile, touch_lo < hi))
+        full_lo = context_start(last_slot[k])  # the narrowest
+        full_first, full_last = -(-full_lo // tile), torch.clamp(hi // tile, max=context_len // tile) - 1
+        whole.append((full_first, full_last, (full_lo < hi) & (full_first <= full_last)))
+    touched_tiles = covering(touched) > 0
     members = (last - first + 1).view(1, q_tiles, 1)
     complete_q = ((q_tile + 1) * tile <= q_len).view(1, q_tiles, 1)
-    full_tiles = (covering(full_first, full_last, full_present) == members) & complete_q
-    # Own-block keys of query tile i: T + [first * B, (last + 1) * B).
-    own_lo = (context_len + first * block_size) // tile  # [Qt]
-    own_hi = (context_len + (last + 1) * block_size - 1) // tile
+    full_tiles = (covering(whole) == members) & complete_q
+    # Own-block keys of query tile i: T + [first * B, (last + 1) * B), with a window those within W - 1 slots of
+    # one of its queries [q0, q1] (the union of the queries' ranges is contiguous: each holds the query's own key).
+    own_first, own_last = first * block_size, (last + 1) * block_size - 1  # [Qt], block-key indices
+    if window is not None:
+        own_first = torch.maximum(own_first, q_tile * tile - (window - 1))
+        own_last = torch.minimum(own_last, torch.clamp(q_tile * tile + tile, max=q_len) - 1 + (window - 1))
+    own_lo, own_hi = (context_len + own_first) // tile, (context_len + own_last) // tile
     kv_tile = torch.arange(kv_tiles, device=device)
     own = (kv_tile >= own_lo.unsqueeze(-1)) & (kv_tile <= own_hi.unsqueeze(-1))  # [Qt, KVt]
     partial = (touched_tiles | own) & ~full_tiles
@@ -342,6 +411,7 @@ def build_masks(
             *ranges[variant.window],
             block_size=block_size,
             context_len=context_len,
+            window=variant.window,
             causal_in_block=variant.causal_in_block,
         )
         if backend == "sdpa":
