@@ -262,12 +262,16 @@ class RecordingDrafter(DFlashDrafter):
         dict(sliding_layers=()),
         dict(sliding_layers=(0,), sliding_window=5, sliding_causal_in_block=True),
         dict(sliding_layers=(0, 1), sliding_window=6, sliding_causal_in_block=False),
+        dict(sliding_layers=(0,), sliding_window=2, sliding_causal_in_block=False),
+        dict(sliding_layers=(1,), sliding_window=3, sliding_causal_in_block=True),
+        dict(sliding_layers=(0,), sliding_window=1, sliding_causal_in_block=False),
     ],
-    ids=["full", "mixed-causal-sliding", "sliding"],
+    ids=["full", "mixed-causal-sliding", "sliding", "window-2", "window-3-causal", "window-1"],
 )
 def test_cached_drafting_equals_the_training_forward(layers):
     """Each incremental, cached drafter call gives the hidden states of a from-scratch forward over the whole
-    context with the training mask anchored at the block (window and in-block causality included)."""
+    context with the training mask of a block anchored there (the window per query position, narrower than the
+    block too, and in-block causality included)."""
     target = qwen3_target()
     config = DrafterModelConfig.from_target(
         target.config, num_layers=2, block_size=4, mask_token_id=VOCAB - 1, num_target_features=3, **layers

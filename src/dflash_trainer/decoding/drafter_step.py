@@ -10,14 +10,17 @@ per drafter layer, the way `StaticKVCache` does for the target:
   slots, of which only the committed ones are context; the others lie past `valid_len`, are masked, and are
   overwritten by the next call. So the shapes never depend on how many drafts were accepted.
 - `append` scatters the new entries and returns, for a full-attention drafter layer, the first `kv_len` entries
-  of every row (masked past `valid_len` by `masks`), and for a sliding-window layer of window W exactly the W
-  entries before `valid_len` (gathered; those before position 0 masked). The drafter slices `[-W:]` off what a
-  window layer gets, which leaves those W entries as they are.
+  of every row (masked past `valid_len` by `masks`), and for a sliding-window layer of window W exactly the W - 1
+  entries before `valid_len` (gathered; those before position 0 masked): the most a block query can see there.
 - `masks(block_size)` are the dense SDPA masks `[R, 1, B, ctx + B]` per layer variant: context entries as above,
-  and the block bidirectional or causal, as each layer was trained (`MaskVariant.causal_in_block`).
+  and the block bidirectional or causal, as each layer was trained (`MaskVariant.causal_in_block`). On window layers
+  the window runs per query position, as in training and in the serving engines (`model/attention.py`): slot k at
+  position n + k sees the context entries at positions > n + k - W, i.e. all but the first k of the W - 1
+  gathered, and the block slots j with |j - k| < W.
 
-This is exactly what training shows a block anchored at the row's length n (context positions < n, the last W
-of them on window layers; DESIGN §2), which `tests/test_speculative.py` checks against the training forward.
+This is exactly what training shows a block anchored at the row's length n (context positions < n, on window
+layers those within W of the query; DESIGN §2), which `tests/test_speculative.py` checks against the training
+forward.
 
 `DraftProposer.propose(...)` runs one drafter pass for every row: block `[last, MASK x (B-1)]` at positions
 n..n+B-1, context extended by the given features, drafts = argmax of the target's LM head on slots 1..B-1.
@@ -67,30 +70,34 @@ class StaticDrafterContext:
         window = self.windows[layer]
         if window is None:
             return keys[:, :, : self._kv_len], values[:, :, : self._kv_len]
-        index = self._window_positions(window).clamp(min=0)  # [R, W]
-        gather = index[:, None, :, None].expand(-1, keys.shape[1], -1, keys.shape[3])  # [R, Hkv, W, D]
+        index = self._window_positions(window).clamp(min=0)  # [R, W-1]
+        gather = index[:, None, :, None].expand(-1, keys.shape[1], -1, keys.shape[3])  # [R, Hkv, W-1, D]
         return keys.gather(2, gather), values.gather(2, gather)
 
     def _window_positions(self, window: int) -> Tensor:
-        return self.valid_len[:, None] - window + torch.arange(window, device=self.valid_len.device)  # [R, W]
+        """[R, W-1]: the context positions n-W+1 .. n-1 before each row's block (n = `valid_len`), which its first
+        slot sees on a window layer (negative ones do not exist and are masked)."""
+        return self.valid_len[:, None] - (window - 1) + torch.arange(window - 1, device=self.valid_len.device)
 
     def masks(self, variants: list[MaskVariant], block_size: int) -> DrafterMasks:
         rows = self.rows
         device = self.valid_len.device
-        causal = torch.ones(block_size, block_size, dtype=torch.bool, device=device).tril()
+        slot = torch.arange(block_size, device=device)
+        causal = slot[None, :] <= slot[:, None]  # [B, B]: key slot j at or before query slot k
         by_variant: dict[MaskVariant, object] = {}
         for variant in variants:
-            if variant.window is None:
-                context = torch.arange(self._kv_len, device=device)[None, :] < self.valid_len[:, None]
-            else:
-                context = self._window_positions(variant.window) >= 0  # [R, W]
             block = causal if variant.causal_in_block else torch.ones_like(causal)
+            if variant.window is None:
+                context = torch.arange(self._kv_len, device=device)[None, :] < self.valid_len[:, None]  # [R, S]
+                context = context[:, None, :].expand(rows, block_size, self._kv_len)
+            else:
+                # Gathered entry i sits at position n - W + 1 + i: slot k (position n + k) sees it when i >= k.
+                gathered = torch.arange(variant.window - 1, device=device)
+                in_window = gathered[None, :] >= slot[:, None]  # [B, W-1]
+                context = (self._window_positions(variant.window) >= 0)[:, None, :] & in_window  # [R, B, W-1]
+                block = block & ((slot[None, :] - slot[:, None]).abs() < variant.window)
             by_variant[variant] = torch.cat(
-                [
-                    context[:, None, None, :].expand(rows, 1, block_size, context.shape[1]),
-                    block[None, None].expand(rows, 1, block_size, block_size),
-                ],
-                dim=-1,
+                [context[:, None], block[None, None].expand(rows, 1, block_size, block_size)], dim=-1
             )  # [R, 1, B, ctx + B]
         return DrafterMasks(backend="sdpa", by_variant=by_variant)
 

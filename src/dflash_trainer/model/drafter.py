@@ -128,9 +128,9 @@ class DrafterAttention(nn.Module):
         q = apply_rope(q, *block_rope)  # [R, Hq, Q, D]
         k_ctx, v_ctx = self._keys_values(*fused_linear(ctx, (self.k_proj, self.v_proj)), *ctx_rope)
         if cache is not None:
+            # The cache returns the context this layer attends to (on window layers only what the window can reach:
+            # decoding/drafter_step.py), masked by `mask` together with the block.
             k_ctx, v_ctx = cache.append(layer, k_ctx, v_ctx)
-            if self.window is not None:
-                k_ctx, v_ctx = k_ctx[:, :, -self.window :], v_ctx[:, :, -self.window :]
         k_blk, v_blk = self._keys_values(k_blk, v_blk, *block_rope)
         k = torch.cat([k_ctx, k_blk], dim=2)  # [R, Hkv, T+Q, D]
         v = torch.cat([v_ctx, v_blk], dim=2)
