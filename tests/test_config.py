@@ -14,7 +14,7 @@ RECIPES = Path(__file__).resolve().parents[1] / "recipes"
 
 
 def test_defaults_and_overrides():
-    sliding = ["drafter.sliding_layers=[0]", "drafter.sliding_window=64", "drafter.accept_sliding_window_mismatch=true"]
+    sliding = ["drafter.sliding_layers=[0]", "drafter.sliding_window=64"]
     config = load_config(None, ["optim.lr=3e-4", *sliding])
     assert config.optim.lr == 3e-4 and config.drafter.sliding_layers == [0]
     assert config.train.epochs == 6 and config.drafter.block_size == 16
@@ -73,10 +73,17 @@ def test_unknown_key_in_a_recipe_file(tmp_path):
         load_config(recipe)
 
 
-def test_sliding_layers_are_refused_unless_the_window_mismatch_is_accepted():
-    # The serving engines apply the window per query position, our mask at the block start (README).
-    with pytest.raises(ConfigError, match=r"drafter\.sliding_layers: .*vLLM and SGLang apply it per query position"):
-        load_config(None, ["drafter.sliding_layers=[0]", "drafter.sliding_window=64"])
+def test_a_saved_config_with_the_retired_window_opt_in_loads_with_a_warning(tmp_path):
+    """Sliding layers need no opt-in any more (they train as the engines serve them); `eval` and resume read old
+    runs' config.yaml back, which may still hold the retired key."""
+    saved = config_to_dict(load_config(None, ["drafter.sliding_layers=[0]", "drafter.sliding_window=64"]))
+    saved["drafter"]["accept_sliding_window_mismatch"] = True
+    with pytest.warns(UserWarning, match=r"drafter\.accept_sliding_window_mismatch: ignored: .*per query position"):
+        config = config_from_dict(saved)
+    assert config.drafter.sliding_layers == [0] and config.drafter.sliding_window == 64
+    assert not hasattr(config.drafter, "accept_sliding_window_mismatch")
+    with pytest.raises(ConfigError, match=r"drafter\.accept_sliding_window_mismatchh: unknown key"):
+        config_from_dict({"drafter": {"accept_sliding_window_mismatchh": True}})
 
 
 @pytest.mark.parametrize(

@@ -165,8 +165,10 @@ def test_sliding_window_hides_old_context(leak_setup):
         backend="sdpa",
     )
     mask = masks.for_variant(first.variant)[r, 0]  # [Q, KV]
-    rows = mask[n * 4 : (n + 1) * 4]
-    assert not rows[:, : a - window].any() and rows[:, a - window : a].all()
+    for slot, row in enumerate(mask[n * 4 : (n + 1) * 4]):
+        # The window counts back from the query's own position a + slot, the query included (as engines serve it).
+        oldest = a + slot - (window - 1)
+        assert not row[:oldest].any() and row[oldest:a].all()
 
 
 def test_tiny_drafter_overfits_fixed_blocks():

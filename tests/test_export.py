@@ -118,7 +118,7 @@ def z_lab_tensor_names(num_layers: int) -> set[str]:
 def test_round_trip_float32_is_exact(tmp_path):
     config = drafter_config(layer_types=["sliding_attention", "full_attention", "sliding_attention"], sliding_window=6)
     drafter = random_drafter(config)
-    export_drafter(drafter, tmp_path / "out", dtype=torch.float32, accept_sliding_window_mismatch=True)
+    export_drafter(drafter, tmp_path / "out", dtype=torch.float32)
     loaded = import_drafter(tmp_path / "out")
     assert loaded.config == drafter.config
     torch.testing.assert_close(drafter_outputs(loaded), drafter_outputs(drafter), rtol=0, atol=0)
@@ -169,11 +169,12 @@ def test_transformers_reads_the_exported_config(tmp_path):
         sliding_window=16,
         sliding_causal_in_block=True,
     )
-    export_drafter(random_drafter(config), tmp_path / "out", accept_sliding_window_mismatch=True)
+    export_drafter(random_drafter(config), tmp_path / "out")
     hf = Qwen3Config.from_pretrained(tmp_path / "out")
     assert (hf.hidden_size, hf.num_hidden_layers, hf.head_dim, hf.num_key_value_heads) == (32, 3, 8, 2)
     assert hf.layer_types == ["full_attention", "sliding_attention", "full_attention"]
     assert hf.sliding_window == 16
+    assert "max_window_layers" not in json.loads((tmp_path / "out" / "config.json").read_text())  # not a suffix
     assert hf.rope_parameters["rope_theta"] == 5e5
     assert hf.block_size == 4 and hf.num_target_layers == 8
     # Mixed layers with causal sliding layers: vLLM's default for such configs already, so no global flag.
@@ -296,12 +297,31 @@ def test_an_export_of_another_run_is_not_replaced_silently(tmp_path):
     torch.testing.assert_close(drafter_outputs(import_drafter(out)), drafter_outputs(first), rtol=0, atol=0)
 
 
-def test_sliding_window_drafters_are_not_exported_unless_the_mismatch_is_accepted(tmp_path):
-    # Engines apply the window per query position; training anchors it at the block start (export.py).
-    config = drafter_config(layer_types=["full_attention", "sliding_attention", "full_attention"], sliding_window=16)
-    with pytest.raises(DrafterMismatchError, match=r"drafter layers \[1\] use a sliding window \(16\)"):
-        export_drafter(random_drafter(config), tmp_path / "out")
-    assert not (tmp_path / "out").exists()
+@pytest.mark.parametrize(
+    ("layer_types", "max_window_layers"),
+    [
+        (["full_attention", "sliding_attention", "sliding_attention"], 1),
+        (["sliding_attention"] * 3, 0),
+        (["full_attention"] * 3, 3),
+    ],
+)
+def test_the_window_reaches_each_layer_as_the_loaders_read_it(tmp_path, layer_types, max_window_layers):
+    """Sliding drafters export without any opt-in, and transformers' Qwen3Config (which z-lab's DFlashDraftModel, vLLM
+    and SGLang read the export through) gives every layer the window it trained with: `sliding_window` if the layer
+    is listed as sliding. `use_sliding_window` is what keeps the window: Qwen3Config drops it when the flag is off.
+    `max_window_layers` describes the same layers, for a loader that derives `layer_types` from it."""
+    sliding = "sliding_attention" in layer_types
+    config = drafter_config(layer_types=layer_types, sliding_window=16 if sliding else None)
+    export_drafter(random_drafter(config), tmp_path / "out")
+    data = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert data["use_sliding_window"] is sliding and data["max_window_layers"] == max_window_layers
+    hf = Qwen3Config.from_pretrained(tmp_path / "out")
+    windows = [hf.sliding_window if kind == "sliding_attention" else None for kind in hf.layer_types]
+    assert windows == [config.layer_window(i) for i in range(3)]
+    assert import_drafter(tmp_path / "out").config == config
+    # Without layer_types, Qwen3Config derives them from max_window_layers (and keeps the window only with the flag).
+    keys = ("num_hidden_layers", "sliding_window", "use_sliding_window", "max_window_layers")
+    assert Qwen3Config(**{key: data[key] for key in keys}).layer_types == layer_types
 
 
 def test_a_full_disk_during_export_is_reported_and_leaves_nothing(tmp_path, monkeypatch):
@@ -344,7 +364,7 @@ def test_vllm_causal_flag_round_trips(tmp_path):
     all_sliding_causal = drafter_config(
         layer_types=["sliding_attention"] * 3, sliding_window=8, sliding_causal_in_block=True
     )
-    export_drafter(random_drafter(all_sliding_causal), tmp_path / "out", accept_sliding_window_mismatch=True)
+    export_drafter(random_drafter(all_sliding_causal), tmp_path / "out")
     config = json.loads((tmp_path / "out" / "config.json").read_text())
     assert config["dflash_config"]["causal"] is True
     # A checkpoint written for vLLM only (no key of ours): its `causal` flag decides.

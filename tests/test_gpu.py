@@ -15,18 +15,19 @@ pytestmark = [
 ]
 
 
-@pytest.mark.parametrize("sliding", [False, True])
+@pytest.mark.parametrize("sliding", [None, (24, True), (3, False)], ids=["full", "window-24-causal", "window-3"])
 @pytest.mark.parametrize("tile", [128, 64])
 def test_compiled_flex_matches_dense_sdpa_forward_and_backward(sliding, tile):
-    """`drafter.flex_tile` 128 and 64 (fp32: flex's default fp32 kernels are 16-64 wide, so no autotuning needed)."""
+    """`drafter.flex_tile` 128 and 64 (fp32: flex's default fp32 kernels are 16-64 wide, so no autotuning needed),
+    with a sliding layer whose window is wider or narrower than the block."""
     config = tiny_drafter_config(
         hidden_size=128,
         num_attention_heads=4,
         num_key_value_heads=2,
         head_dim=32,
         layer_types=["sliding_attention", "full_attention"] if sliding else None,
-        sliding_window=24 if sliding else None,
-        sliding_causal_in_block=sliding,
+        sliding_window=sliding[0] if sliding else None,
+        sliding_causal_in_block=sliding[1] if sliding else False,
     )
     torch.manual_seed(0)
     batch = random_packed_batch(config, rows=2, length=300, max_anchors=16, seed=3)

@@ -171,7 +171,6 @@ def cmd_export(args: argparse.Namespace) -> int:
         out_dir=args.out,
         dtype=args.dtype,
         overwrite=args.overwrite,
-        accept_sliding_window_mismatch=args.accept_sliding_window_mismatch,
     )
     return 0
 
@@ -304,11 +303,6 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("--out", required=True)
     export.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
     export.add_argument("--overwrite", action="store_true", help="replace an export of another run at --out")
-    export.add_argument(
-        "--accept-sliding-window-mismatch",
-        action="store_true",
-        help="export a drafter with sliding-window layers although vLLM / SGLang apply the window differently",
-    )
     export.set_defaults(run=cmd_export)
 
     convert = sub.add_parser(

@@ -14,6 +14,7 @@ import dataclasses
 import math
 import types
 import typing
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, get_args, get_origin
@@ -90,12 +91,9 @@ class DrafterConfig:
     # Sliding-window layers: indices into the drafter's layers, and their window in tokens.
     sliding_layers: list[int] = field(default_factory=list)
     sliding_window: int | None = None
-    # Serving engines differ on this (vLLM treats sliding layers of z-lab checkpoints as causal in-block).
+    # The window applies per query position, as the serving engines apply it (model/attention.py). Whether sliding
+    # layers are causal inside the block: SGLang always runs them causal, vLLM follows the export's flag.
     sliding_causal_in_block: bool = False
-    # Sliding layers are trained with the window anchored at the block start; vLLM and SGLang apply it per query
-    # position, so such a drafter computes differently when served and its export is refused. True: train and
-    # export it anyway (for our own evaluation, or an engine patched to anchor the window).
-    accept_sliding_window_mismatch: bool = False
     # `auto`: flex_attention on CUDA, SDPA with a dense mask elsewhere (flex has no CPU backward).
     attention_backend: Literal["auto", "flex", "sdpa"] = "auto"
     # Start from an exported DFlash checkpoint (directory) instead of random weights.
@@ -175,14 +173,6 @@ class DrafterConfig:
                 self.sliding_window is not None and self.sliding_window > 0,
                 "drafter.sliding_window",
                 "must be a positive window when drafter.sliding_layers is set",
-            )
-            _require(
-                self.accept_sliding_window_mismatch,
-                "drafter.sliding_layers",
-                "sliding-window layers are trained with the window anchored at the block start, but vLLM and "
-                "SGLang apply it per query position, so the served drafter would compute differently and its "
-                "export is refused; drop drafter.sliding_layers, or set "
-                "drafter.accept_sliding_window_mismatch=true to train (and export) it anyway",
             )
             for i in self.sliding_layers:
                 _require(
@@ -517,16 +507,27 @@ def _check_value(value: Any, annotation: Any, key: str) -> Any:
     return value
 
 
+# Keys of earlier versions that no longer set anything, and why: a recipe or a run's saved config.yaml (read back by
+# `eval` and resume) that still has one loads, with a warning, instead of failing as an unknown key.
+RETIRED_KEYS = {
+    "drafter.accept_sliding_window_mismatch": "sliding-window layers now train with the window per query position, "
+    "as vLLM and SGLang apply it, and export without it (runs saved with it trained them with the window anchored "
+    "at the block start)",
+}
+
+
 def _build(cls: type, data: dict[str, Any], prefix: str = "") -> Any:
     hints = typing.get_type_hints(cls)
     names = {f.name for f in dataclasses.fields(cls)}
-    for key in data:
-        if key not in names:
-            where = f"{prefix}.{key}" if prefix else key
-            raise ConfigError(f"{where}: unknown key (known: {', '.join(sorted(names))})")
     kwargs = {}
-    for name, value in data.items():
-        kwargs[name] = _check_value(value, hints[name], f"{prefix}.{name}" if prefix else name)
+    for key, value in data.items():
+        where = f"{prefix}.{key}" if prefix else key
+        if key in names:
+            kwargs[key] = _check_value(value, hints[key], where)
+        elif where in RETIRED_KEYS:
+            warnings.warn(f"{where}: ignored: {RETIRED_KEYS[where]}", UserWarning, stacklevel=2)
+        else:
+            raise ConfigError(f"{where}: unknown key (known: {', '.join(sorted(names))})")
     built = cls(**kwargs)
     if hasattr(built, "validate"):
         built.validate()

@@ -29,12 +29,15 @@ full-attention layers are never causal, so `causal: false` is exact whenever sli
 Importing a checkpoint without either key follows vLLM: layers that `layer_types` lists as sliding are causal
 in-block, layers made sliding by `dflash_config.use_swa` (+ `swa_window_size`) are not.
 
-Sliding-window layers are not exported unless asked for (`accept_sliding_window_mismatch`): we train them with
-the window anchored at the block start (a block query sees the W context positions before its anchor), while the
-engines apply the window per query position, counting the query itself (HF `sliding_window` convention): vLLM
-passes `sliding_window` to its attention backend as `per_layer_sliding_window`, SGLang uses window_left =
-`sliding_window - 1` (causal for sliding layers), z-lab's reference masks `q_pos - k_pos < sliding_window`. Served,
-the query at block slot k would see k + 1 fewer context positions than in training.
+Sliding-window layers carry their window the way every loader reads it: `layer_types` (one entry per layer),
+`sliding_window` W and `use_sliding_window: true` (transformers' Qwen3Config, through which z-lab's
+`DFlashDraftModel`, vLLM and SGLang all read the config, drops `sliding_window` when that flag is false, and the
+engines then refuse or ignore the sliding layers), and `max_window_layers` where it says the same as `layer_types`
+(sliding layers from that index on; a loader derives `layer_types` from it only when `layer_types` is absent).
+Training applies the window as the engines do at inference (`model/attention.py`: keys within W positions of the
+query, the query itself counted), so an export serves with the mask it was trained with. In-block causality: vLLM
+follows `dflash_config.causal`; SGLang runs sliding layers causal in-block whatever the config says, so a drafter
+for SGLang is trained with `sliding_causal_in_block` true.
 
 An export records where it came from (`exported_from`: the run directory or checkpoint). An existing export is
 replaced only by one from the same source; replacing another run's export needs `overwrite=True`.
@@ -107,7 +110,7 @@ class CheckpointFormatError(UserError, ValueError):
 
 
 class DrafterMismatchError(UserError, ValueError):
-    """A drafter does not fit the target it is asked to run with, or would compute differently when served."""
+    """A drafter does not fit the target it is asked to run with."""
 
 
 SOURCE_KEY = "exported_from"
@@ -153,13 +156,25 @@ def export_config(config: DrafterModelConfig, *, dtype: torch.dtype = torch.bflo
         layer_types=list(config.layer_types),
         sliding_window=config.sliding_window,
         use_sliding_window=config.sliding_window is not None,
+        max_window_layers=_first_of_sliding_suffix(config.layer_types),
         torch_dtype=_DTYPE_NAMES[dtype],
         dtype=_DTYPE_NAMES[dtype],
         attention_bias=config.attention_bias,
         hidden_act="silu",
         tie_word_embeddings=False,
     )
+    if data["max_window_layers"] is None:
+        del data["max_window_layers"]  # sliding layers that are no suffix: `layer_types` alone says which
     return data
+
+
+def _first_of_sliding_suffix(layer_types: list[str]) -> int | None:
+    """`max_window_layers` as Qwen3Config reads it (layers from that index on slide), when it can say what
+    `layer_types` says: the sliding layers are exactly the last ones (none: the layer count)."""
+    first = len(layer_types)
+    while first > 0 and layer_types[first - 1] == SLIDING_ATTENTION:
+        first -= 1
+    return first if SLIDING_ATTENTION not in layer_types[:first] else None
 
 
 def _vllm_causal_flag(config: DrafterModelConfig) -> bool | None:
@@ -185,17 +200,14 @@ def export_drafter(
     extra_metadata: dict[str, Any] | None = None,
     source: str | Path | None = None,
     overwrite: bool = False,
-    accept_sliding_window_mismatch: bool = False,
 ) -> Path:
     """Write `config.json` + `model.safetensors` into `out_dir`, atomically (temporary directory, then rename).
 
     `extra_metadata` (JSON-serialisable: training step, data, tau...) goes under `training_metadata` in
     config.json, `source` (the run directory or checkpoint exported) under `exported_from`. An existing
     `out_dir` is replaced only when it is an export of the same source (or `overwrite`); any other non-empty
-    directory is refused before anything is written. Sliding-window layers are refused unless
-    `accept_sliding_window_mismatch` (module docstring)."""
+    directory is refused before anything is written."""
     out_dir = Path(out_dir)
-    check_servable(drafter.config, accept_sliding_window_mismatch=accept_sliding_window_mismatch)
     source_text = None if source is None else str(Path(source).absolute())
     _refuse_foreign_directory(out_dir, source_text, overwrite=overwrite)
     config = export_config(drafter.config, dtype=dtype)
@@ -225,18 +237,6 @@ def export_drafter(
     finally:
         shutil.rmtree(temp_dir, ignore_errors=True)
     return out_dir
-
-
-def check_servable(config: DrafterModelConfig, *, accept_sliding_window_mismatch: bool = False) -> None:
-    """Refuse a drafter the serving engines would run differently from how it was trained (module docstring)."""
-    sliding = [i for i, kind in enumerate(config.layer_types) if kind == SLIDING_ATTENTION]
-    if sliding and not accept_sliding_window_mismatch:
-        raise DrafterMismatchError(
-            f"drafter layers {sliding} use a sliding window ({config.sliding_window}), anchored at the block start "
-            "in training, while vLLM and SGLang apply it per query position: served, it would compute differently. "
-            "Not exported; pass --accept-sliding-window-mismatch (drafter.accept_sliding_window_mismatch=true) to "
-            "export it anyway"
-        )
 
 
 def check_drafter_fits_target(

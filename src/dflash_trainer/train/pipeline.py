@@ -114,13 +114,12 @@ def validate_drafter_settings(config: RunConfig, target: LoadedTarget) -> None:
     except ValueError as error:
         raise ConfigError(f"drafter: {error}") from error
     if config.drafter.init_from:
-        from ..export import check_drafter_fits_target, check_servable, read_drafter_config
+        from ..export import check_drafter_fits_target, read_drafter_config
 
         initial = read_drafter_config(config.drafter.init_from)
         check_drafter_fits_target(
             initial, target.config, drafter_source=config.drafter.init_from, target_name=target.name
         )
-        check_servable(initial, accept_sliding_window_mismatch=config.drafter.accept_sliding_window_mismatch)
 
 
 def prepare_for_training(config: RunConfig, target: LoadedTarget) -> Path:
@@ -205,7 +204,6 @@ def _run_training(config: RunConfig, world: World, should_stop: Callable[[], boo
         source=run_dir,
         # The run's own directory (possibly copied from another machine, under another path): always its export.
         overwrite=True,
-        accept_sliding_window_mismatch=config.drafter.accept_sliding_window_mismatch,
     )
     if config.eval.at_end:
         from ..eval.runner import evaluate
@@ -322,9 +320,7 @@ def load_drafter_any(path: str | Path, device: torch.device | str = "cpu"):
     return import_drafter(path, device=device), path
 
 
-def export_command(
-    *, checkpoint: str, out_dir: str, dtype: str, overwrite: bool = False, accept_sliding_window_mismatch: bool = False
-) -> None:
+def export_command(*, checkpoint: str, out_dir: str, dtype: str, overwrite: bool = False) -> None:
     from ..export import export_drafter
 
     drafter, source = load_drafter_any(checkpoint)
@@ -336,7 +332,6 @@ def export_command(
         dtype=getattr(torch, dtype),
         source=run,
         overwrite=overwrite,
-        accept_sliding_window_mismatch=accept_sliding_window_mismatch,
     )
     print(f"exported {source} -> {out_dir}")
 
