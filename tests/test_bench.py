@@ -72,7 +72,7 @@ def test_bench_times_every_phase_and_each_ablations_drafter_step(tmp_path, monke
 def test_the_recipe_target_picks_the_shape_and_documents_and_documents_override_them():
     from dflash_trainer.config import load_config
 
-    config = load_config(REPO / "recipes/bench-qwen3.6-27b.yaml", ["drafter.accept_sliding_window_mismatch=true"])
+    config = load_config(REPO / "recipes/bench-qwen3.6-27b.yaml", [])
     setting = bench.setting_for(config)
     assert setting.architecture is bench.QWEN36_27B and setting.documents is bench.long_reply_documents
     docs = setting.documents(np.random.default_rng(0))
