@@ -36,8 +36,9 @@ engines then refuse or ignore the sliding layers), and `max_window_layers` where
 (sliding layers from that index on; a loader derives `layer_types` from it only when `layer_types` is absent).
 Training applies the window as the engines do at inference (`model/attention.py`: keys within W positions of the
 query, the query itself counted), so an export serves with the mask it was trained with. In-block causality: vLLM
-follows `dflash_config.causal`; SGLang runs sliding layers causal in-block whatever the config says, so a drafter
-for SGLang is trained with `sliding_causal_in_block` true.
+follows `dflash_config.causal` (a non-causal sliding layer stays bidirectional only where vLLM widens its
+FlashAttention window to both sides, PR #46104); SGLang runs sliding layers causal in-block whatever the config
+says. `sliding_causal_in_block: true` is therefore what every engine serves alike.
 
 An export records where it came from (`exported_from`: the run directory or checkpoint). An existing export is
 replaced only by one from the same source; replacing another run's export needs `overwrite=True`.
