@@ -1,0 +1,68 @@
+#!/usr/bin/env bash
+# A queue of GPU benchmarks run one after another in the background, for a GPU machine reached only through short
+# commands (an offline or batch-scheduled node): `start` returns at once, the queue survives it, `wait` reports and
+# returns when the queue is done or after S seconds, `collect` packs every log and result into $OUT.
+#
+#   bash benchmarks/gpu_queue.sh start benchmarks/queues/NAME.txt   # one job per line: `name: command`
+#   bash benchmarks/gpu_queue.sh wait 540                            # a line per job every POLL seconds (60)
+#   OUT=/tmp/out bash benchmarks/gpu_queue.sh collect                 # $OUT/queue-logs.tgz (+ the JSON files)
+#
+# Jobs run from a copy of the repository root in /tmp/queue-repo with PYTHONPATH=src, in the order written; a job
+# that fails does not stop the next. Each job's output is $RES/NAME.log, its exit status $RES/NAME.rc, and $RES/NAME
+# is its own folder (exported as JOB_OUT: write JSON there). Wheels in .whl/ (the package's own dependencies the
+# machine lacks) and .fla/ (flash-linear-attention, for hybrid targets) are installed into /tmp/site first.
+set -u
+STAGE=${1:?usage: gpu_queue.sh start QUEUE_FILE | wait SECONDS | collect}
+RES=/tmp/queue-results
+REPO=/tmp/queue-repo
+SITE=/tmp/site
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
+
+case "$STAGE" in
+  start)
+    queue=${2:?start needs the queue file}
+    rm -rf "$RES" "$REPO" && mkdir -p "$RES" "$REPO"
+    cp -r . "$REPO"/
+    for wheels in .whl .fla; do
+      if ls "$wheels"/*.whl > /dev/null 2>&1; then
+        python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" "$wheels"/*.whl
+      fi
+    done
+    runner="$RES/run-queue.sh"
+    {
+      echo "cd $REPO && export PYTHONPATH=$REPO/src:$SITE OMP_NUM_THREADS=8"
+      grep -v '^\s*\(#\|$\)' "$queue" | while IFS= read -r line; do
+        name=${line%%:*} command=${line#*:}
+        echo "mkdir -p $RES/$name; echo \$(date +%s) > $RES/$name.start; (export JOB_OUT=$RES/$name; $command) > $RES/$name.log 2>&1; echo \$? > $RES/$name.rc"
+      done
+      echo "touch $RES/queue.done"
+    } > "$runner"
+    setsid bash "$runner" < /dev/null > "$RES/queue.log" 2>&1 &
+    nvidia-smi --query-gpu=index,name,memory.used --format=csv,noheader
+    echo "started: $(grep -c '^mkdir' "$runner") jobs from $queue"
+    ;;
+  wait)
+    deadline=$((SECONDS + ${2:-540}))
+    while [ $SECONDS -lt $deadline ]; do
+      echo "--- $(date +%T)"
+      for log in "$RES"/*.log; do
+        [ -f "$log" ] || continue
+        name=$(basename "$log" .log)
+        [ "$name" = queue ] && continue
+        state=running
+        [ -f "$RES/$name.rc" ] && state="exit $(cat "$RES/$name.rc")"
+        echo "$name ($state): $(tr '\r' '\n' < "$log" | grep -v '^\s*$' | tail -n 1 | cut -c1-200)"
+      done
+      [ -f "$RES/queue.done" ] && { echo "queue done"; break; }
+      sleep "${POLL:-60}"
+    done
+    ;;
+  collect)
+    OUT=${OUT:-/tmp/out}
+    mkdir -p "$OUT"
+    tar czf "$OUT/queue-logs.tgz" -C "$RES" .
+    ls -la "$OUT"
+    ;;
+  *) echo "unknown stage $STAGE"; exit 2 ;;
+esac
