@@ -65,3 +65,25 @@ def test_bench_times_every_phase_and_each_ablations_drafter_step(tmp_path, monke
     # No nvidia-smi on the CPU: no clock; the compile breakdown is a dict of seconds (empty when nothing compiled).
     assert all(r["sm_clock_mhz"] is None and r["power_w"] is None for r in saved)
     assert all(all(s >= 0 for s in r["first_step_compile_stages"].values()) for r in saved)
+
+
+def test_compiled_frames_since_lists_each_frame_and_its_second_graph():
+    """The first step's compile frame by frame: a frame compiled again for a new shape is a second row, `0/1`."""
+    import time
+
+    import torch
+
+    def step(x):
+        return x.sin() + 1
+
+    torch._dynamo.reset()
+    mark = time.time_ns() // 1000
+    compiled = torch.compile(step, backend="eager", dynamic=False)
+    compiled(torch.randn(3))
+    compiled(torch.randn(4))  # static sizes: the new size compiles the frame's second graph
+    frames = bench.compiled_frames_since(mark)
+    torch._dynamo.reset()
+    assert [frame["compile_id"] for frame in frames] == ["0/0", "0/1"]
+    assert frames[0]["frame"].startswith("step (test_bench.py:") and all(f["seconds"] >= 0 for f in frames)
+    assert bench.compiled_frames_since(time.time_ns() // 1000) == []
+    assert "[0/1]" in bench.describe_frames(frames) and bench.describe_frames([]) == "none"
