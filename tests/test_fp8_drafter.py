@@ -11,7 +11,9 @@ import json
 
 import pytest
 import torch
+import torch.fx.experimental._config as fx_config
 from torch import nn
+from torch._dynamo.utils import counters
 
 from dflash_trainer.config import ConfigError, load_config
 from dflash_trainer.model.attention import build_masks
@@ -229,6 +231,32 @@ def test_fp8_drafter_gradients_are_close_to_float64_and_eval_mode_is_exact(scali
     reference.float().eval()
     with torch.no_grad():
         torch.testing.assert_close(_drafter_output(drafter), _drafter_output(reference), rtol=0, atol=0)
+
+
+@pytest.mark.slow  # dynamo traces the layers: 15-25 s on 2 shared cores
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
+def test_the_layers_compile_as_one_region_shared_by_every_layer(fp8):
+    """Regional compilation: the layers share one code object and read no per-layer value in training, so three
+    layers compile one frame; the two norms share another; an FP8 context projection is one more region."""
+    torch.manual_seed(0)
+    drafter = DFlashDrafter(tiny_drafter_config(num_hidden_layers=3))
+    twin = DFlashDrafter(tiny_drafter_config(num_hidden_layers=3))
+    twin.load_state_dict(drafter.state_dict())
+    if fp8:
+        drafter.use_fp8_training()
+        twin.use_fp8_training()
+    with fx_config.patch(use_duck_shape=True):  # compile_layers switches it off; restored on exit
+        torch._dynamo.reset()
+        counters.clear()
+        drafter.compile_layers(backend="eager")
+        _drafter_step(drafter)
+        _, grads = _drafter_step(drafter, seed=1)  # other shapes: served by the same frames
+        assert counters["frames"]["ok"] == (3 if fp8 else 2)
+    torch._dynamo.reset()
+    # The first layer's input made a leaf that requires grad (DFlashDrafter.forward) changes no gradient.
+    _, eager_grads = _drafter_step(twin, seed=1)
+    for name, grad in grads.items():
+        torch.testing.assert_close(grad, eager_grads[name], rtol=0, atol=0)
 
 
 def test_config_keys_and_where_fp8_runs(monkeypatch):

@@ -203,6 +203,7 @@ class DFlashDrafter(nn.Module):
         self.norm = RMSNorm(hidden, config.rms_norm_eps)
         self.rotary_emb = Qwen3RotaryEmbedding(config.to_hf_config())
         self._project_context = project_context  # compiled by compile_layers
+        self._one_layer_graph = False  # compile_layers: see forward
         # Kept outside the module's buffers so `.to(bfloat16)` cannot round it (see `_apply`).
         self._inv_freq_fp32 = self.rotary_emb.inv_freq.detach().clone().float().cpu()
         self.reset_parameters()
@@ -252,6 +253,13 @@ class DFlashDrafter(nn.Module):
         query sees all context and its whole block."""
         ctx = self.fuse_context(features)
         x = block_embeds.to(ctx.dtype)
+        if self._one_layer_graph and torch.is_grad_enabled() and not x.requires_grad:
+            # Compiled layers guard on whether their input requires grad: the first layer's (frozen embeddings)
+            # does not, the others' do, so the first would compile a graph of its own, forward and backward (one
+            # more layer compile in the cold first step). With this input a leaf that requires grad, all layers
+            # run one graph; the price is the first layer's input gradient, which nothing reads: one
+            # [tokens, q+k+v] x [q+k+v, H] GEMM and a norm backward per step (~2 ms at the paper shape, 0.5 %).
+            x = x.detach().requires_grad_()
         block_rope = self.rotary_emb(x, block_positions)  # cos/sin [R, N*B, D]
         ctx_rope = self.rotary_emb(x, ctx_positions)  # [R, T, D]
         for layer in self.layers:
@@ -277,12 +285,14 @@ class DFlashDrafter(nn.Module):
         length, anchors; bucketed by the data stage), so the layers compile with symbolic sizes from the first
         call: one compile, no recompile per new shape. The layers share one code object and read no per-layer
         value on the training path, so they also share the compiled code: one frame for all of them (regional
-        compilation). The two norms outside the layers are compiled too:
+        compilation; `tests/test_fp8_drafter.py` counts it), once the first layer's input requires grad as the
+        others' do (forward). The two norms outside the layers are compiled too:
         eager, the final one makes seven float32 passes over every block position; and they share one frame. With
         an FP8 context projection, the projection compiles with its norm as one region instead, so that the
         quantisation of the [R, T, K*H] features and of the weight fuses (eager: five passes each).
         `backend`: another dynamo backend for tests ("eager" counts frames without Inductor)."""
         keep_sizes_apart()  # the first batch's coincident sizes must not become guards (compiling.py)
+        self._one_layer_graph = True
         options = {} if backend != "inductor" else {"mode": mode}
         for layer in self.layers:
             layer.compile(dynamic=True, backend=backend, **options)
