@@ -284,13 +284,12 @@ class DFlashDrafter(nn.Module):
         around the matmuls and compiles flex attention inside. Shapes change from batch to batch (rows, row
         length, anchors; bucketed by the data stage), so the layers compile with symbolic sizes from the first
         call: one compile, no recompile per new shape. The layers share one code object and read no per-layer
-        value on the training path, so they also share the compiled code: one frame for all of them (regional
-        compilation; `tests/test_fp8_drafter.py` counts it), once the first layer's input requires grad as the
-        others' do (forward). The two norms outside the layers are compiled too:
-        eager, the final one makes seven float32 passes over every block position; and they share one frame. With
-        an FP8 context projection, the projection compiles with its norm as one region instead, so that the
-        quantisation of the [R, T, K*H] features and of the weight fuses (eager: five passes each).
-        `backend`: another dynamo backend for tests ("eager" counts frames without Inductor)."""
+        value on the training path, so they also share the compiled code: one frame, one graph for all of them
+        (regional compilation), once the first layer's input requires grad as the others' do (forward). The two
+        norms outside the layers are compiled too (one more frame: eager, the final one makes seven float32 passes
+        over every block position); an FP8 context projection compiles with its norm as one region instead, so
+        that the quantisation of the [R, T, K*H] features and of the weight fuses. `backend`: another dynamo
+        backend, for tests ("eager" counts frames without Inductor)."""
         keep_sizes_apart()  # the first batch's coincident sizes must not become guards (compiling.py)
         self._one_layer_graph = True
         options = {} if backend != "inductor" else {"mode": mode}
