@@ -29,9 +29,10 @@ token of the batch; rowwise accumulates fast in all three, the only fast setting
 
 Error: e4m3 rounds to 3 mantissa bits (2^-4 relative at most, ~2.6 % RMS over a binade), e5m2 to 2 bits (2^-3,
 ~5.1 % RMS). A GEMM of two e4m3 operands is ~3.6 % (RMS, relative) off the exact product of its inputs, one with an
-e5m2 operand ~5.7 % (errors add in quadrature), against ~0.3 % for bf16. Tensorwise adds the error of small rows
-under one large scale (fewer significant bits where a row is far below the tensor's maximum). The tests bound each
-GEMM against a float64 product of the same inputs (`tests/test_fp8_drafter.py`).
+e5m2 operand ~5.7 % (errors add in quadrature), against ~0.3 % for bf16. The formats are floating point, so a row
+far below the tensor's maximum keeps its relative precision under one tensorwise scale, down to where the format's
+normal range ends (2^-15 of the maximum for e4m3, 2^-30 for e5m2; below it subnormals, then zero). The tests bound
+each GEMM against a float64 product of the same inputs (`tests/test_fp8_drafter.py`).
 
 Where it applies: every `nn.Linear` of the drafter whose sizes are multiples of 16 (`torch._scaled_mm` needs it
 on the GPU): q/k/v/o and gate/up/down of every layer and the context projection `fc`, never the norms. The weight
