@@ -142,6 +142,30 @@ def test_fp8_linear_under_bf16_autocast_keeps_the_master_dtypes_and_the_bias():
     assert 0.01 < _relative_error(out, exact) < 0.05
 
 
+@pytest.mark.parametrize("scaling", ["tensorwise", "rowwise"])
+def test_several_fp8_linears_in_one_compiled_graph_compute_what_eager_does(scaling):
+    """Dynamo traces each FP8 matmul (an autograd Function) into the graph; a layer holds several. Token counts of
+    40 and 24 take the weight grad's padding path. (A module-level float read inside the Function once made the
+    second one in a graph fail to trace: `quantize` keeps its constants literal.)"""
+    from dflash_trainer.compiling import compile_dynamic
+
+    def two_projections(x, ctx, w1, w2):
+        rowwise = scaling == "rowwise"
+        return fp8_linear(x, w1, rowwise=rowwise).square().sum() + fp8_linear(ctx, w2, rowwise=rowwise).sum()
+
+    gen = torch.Generator().manual_seed(4)
+    inputs = [torch.randn(*shape, generator=gen) for shape in ((1, 40, 64), (1, 24, 64), (48, 64), (32, 64))]
+    grads = []
+    for fn in (two_projections, compile_dynamic(two_projections, backend="eager")):
+        leaves = [t.clone().requires_grad_() for t in inputs]
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            fn(*leaves).backward()
+        grads.append([leaf.grad for leaf in leaves])
+    torch._dynamo.reset()
+    for eager, compiled in zip(*grads, strict=True):
+        torch.testing.assert_close(compiled, eager, rtol=0, atol=0)
+
+
 # --------------------------------------------------------------------------------------------- the drafter
 
 
