@@ -372,3 +372,23 @@ def test_gpu_fp8_drafter_gradients_match_bf16(scaling, compiled):
     # less for bf16. A wrong layout or scale is off by ~100 %.
     assert max(errors["fp8"].values()) < 0.25 and median["fp8"] < 0.12, errors
     assert median["bf16"] < 0.03 and median["fp8"] > median["bf16"], median  # FP8 did run
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_gpu_training_loop_with_the_fp8_drafter_lowers_the_loss(tmp_path):
+    """The real `fit` loop on CUDA with `drafter.fp8=true` (compiled layers, flex, bf16 autocast, fused AdamW): the
+    loss must fall as in bf16 (tests/test_gpu.py: halved in 30 steps)."""
+    if torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("needs FP8 tensor cores")
+    from dflash_trainer.train.trainer import Trainer
+    from train_helpers import save_tiny_target, write_counting_shards, write_recipe
+
+    target = save_tiny_target(tmp_path / "target")
+    shards = write_counting_shards(tmp_path / "shards")
+    recipe = write_recipe(tmp_path / "r.yaml", tmp_path / "run", target, shards, train={"max_steps": 30})
+    trainer = Trainer(load_config(recipe, ["target.device=cuda", "drafter.fp8=true"]), log=lambda _: None)
+    assert isinstance(trainer.drafter.fc, Fp8TrainingLinear) and trainer.backend == "flex"
+    trainer.fit()
+    losses = [json.loads(line)["loss"] for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert sum(losses[-3:]) / 3 < 0.5 * sum(losses[:3]) / 3, losses
