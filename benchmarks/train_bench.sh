@@ -28,12 +28,16 @@ NEW_ABLATIONS=(
   --ablation "autotune:drafter.compile_mode=max-autotune-no-cudagraphs"
   --ablation "tile64:drafter.flex_tile=64,drafter.compile_mode=max-autotune-no-cudagraphs"
 )
-# The paper setting: the FP8 target after the flex fix of a3c844a (before it, 2026-12-01: 525.9 ms end to end, 1.27x
-# the peer). Measured and kept in the full list: the target eager (268 against 204 ms compiled) and the loss in
-# chunks of 128 blocks (364.6 against 364.1 ms drafter only: no gain). PAPER_EXTRA adds ';'-separated
-# NAME:overrides phases (e.g. flex kernel options from flex_kernel_bench.py --best); ABLATION_DRAFTER_ONLY=1 times
-# each ablation's drafter-only step too (bench --drafter-only-ablations).
+# The paper setting: the FP8 drafter (drafter.fp8, model/fp8.py), tensorwise and rowwise, alone and beside the FP8
+# target, and the FP8 target alone (2026-12-01, sixth session: 518.8 ms end to end). The phases share targets in
+# this order (bf16 target, then one FP8 target). Measured and kept in the full list: the target eager (268 against
+# 204 ms compiled) and the loss in chunks of 128 blocks (364.6 against 364.1 ms drafter only: no gain).
+# PAPER_EXTRA adds ';'-separated NAME:overrides phases (e.g. flex kernel options from flex_kernel_bench.py --best);
+# ABLATION_DRAFTER_ONLY=1 times each ablation's drafter-only step too (bench --drafter-only-ablations).
 NEW_PAPER_ABLATIONS=(
+  --ablation "fp8_drafter:drafter.fp8=true"
+  --ablation "fp8_drafter_rowwise:drafter.fp8=true,drafter.fp8_scaling=rowwise"
+  --ablation "fp8_both:drafter.fp8=true,target.fp8=true"
   --ablation "fp8_target:target.fp8=true"
 )
 MEASURED_PAPER_ABLATIONS=(

@@ -80,3 +80,25 @@ def test_the_recipe_target_picks_the_shape_and_documents_and_documents_override_
     assert bench.setting_for(config, "smollm2").documents is bench.smollm2_documents
     paper = load_config(REPO / "recipes/bench-qwen3-8b.yaml", [])
     assert bench.setting_for(paper).architecture is bench.QWEN3_8B
+
+
+def test_compiled_frames_since_lists_each_frame_and_its_second_graph():
+    """The first step's compile frame by frame: a frame compiled again for a new shape is a second row, `0/1`."""
+    import time
+
+    import torch
+
+    def step(x):
+        return x.sin() + 1
+
+    torch._dynamo.reset()
+    mark = time.time_ns() // 1000
+    compiled = torch.compile(step, backend="eager", dynamic=False)
+    compiled(torch.randn(3))
+    compiled(torch.randn(4))  # static sizes: the new size compiles the frame's second graph
+    frames = bench.compiled_frames_since(mark)
+    torch._dynamo.reset()
+    assert [frame["compile_id"] for frame in frames] == ["0/0", "0/1"]
+    assert frames[0]["frame"].startswith("step (test_bench.py:") and all(f["seconds"] >= 0 for f in frames)
+    assert bench.compiled_frames_since(time.time_ns() // 1000) == []
+    assert "[0/1]" in bench.describe_frames(frames) and bench.describe_frames([]) == "none"

@@ -12,8 +12,9 @@ import pytest
 import torch
 from torch import nn
 
+from dflash_trainer.model.fp8 import E4M3, E4M3_MAX
 from dflash_trainer.targets.capture import FeatureCapture
-from dflash_trainer.targets.fp8 import E4M3, E4M3_MAX, Fp8Linear, quantize_decoder_linears, quantize_rowwise
+from dflash_trainer.targets.fp8 import Fp8Linear, quantize_decoder_linears, quantize_rowwise
 
 # Every finite e4m3 value, as float64 (the 256 bit patterns, NaNs dropped).
 E4M3_VALUES = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(E4M3).double()

@@ -19,9 +19,9 @@ Phases, each through the trainer's own step (`Trainer._optimizer_step`):
 Every phase starts from a reset dynamo state (`fresh_compile_state`): it compiles its own code, cold in-process.
 
 Per phase: median step time, target tokens/s, MFU, peak memory, the first step's time (compilation; with the frames
-dynamo compiled in it and its seconds in dynamo's compile), the number of dynamo compilations after warm-up (any is
-a recompile), and the per-stage profile of a few more steps run with
-the stage profiler on (it synchronises after every stage, so those steps are slower; the shares are what count),
+dynamo compiled in it, its seconds in dynamo's compile by stage and frame by frame), the number of dynamo
+compilations after warm-up (any is a recompile), and the per-stage profile of a few more steps run with the stage
+profiler on (it synchronises after every stage, so those steps are slower; the shares are what count),
 and with `--kernels N` the N kernels that take the most device time over a few more steps, run under
 `torch.profiler` (`kernel_profile.py`: busy time against step time, then ms, share and calls per kernel;
 `--trace-dir` also writes each phase's Chrome trace).
@@ -154,6 +154,9 @@ class PhaseResult:
     # Where the first step's compile went (train/metrics.py COMPILE_STAGES, nested: the graphs' seconds contain the
     # lowering, codegen and Triton waits below them), for the cold first step (issue 10: <= 30 s).
     first_step_compile_stages: dict[str, float] = field(default_factory=dict)
+    # The same compile frame by frame (`compiled_frames_since`): which region costs what, and a region compiled
+    # twice (a second graph of one frame, compile id `1/1`) shows as a second row.
+    first_step_frames: list[dict] = field(default_factory=list)
     # Median SM clock (MHz) and board power (W) over the timed steps (gpu_monitor.py; None without nvidia-smi): a
     # step that holds the power limit runs every kernel at a lower clock than a kernel timed alone.
     sm_clock_mhz: float | None = None
@@ -312,11 +315,13 @@ def time_steps(
         trainer._optimizer_step(work.batches, outputs=work.outputs, loss_scale=work.loss_scale)
 
     started, first_compiles, compile_snapshot = time.perf_counter(), CompileWatch(), compile_times()
+    frames_mark = time.time_ns() // 1000
     run(next(works))
     sync()
     first_step_s = time.perf_counter() - started
     first_step_compiles, first_step_compile_s, _ = first_compiles.take()
     first_step_compile_stages = compile_stages_since(compile_snapshot)
+    first_step_frames = compiled_frames_since(frames_mark)
     for _ in range(1, warmup):
         run(next(works))
     sync()
@@ -382,6 +387,7 @@ def time_steps(
         first_step_compile_s=first_step_compile_s,
         recompiles_after_warmup=recompiles,
         first_step_compile_stages=first_step_compile_stages,
+        first_step_frames=first_step_frames,
         sm_clock_mhz=clock.sm_clock_mhz if clock else None,
         power_w=clock.power_w if clock else None,
         alloc_retries=retries,
@@ -412,6 +418,54 @@ def resident_memory(trainer: Trainer) -> dict[str, float]:
         "drafter_grads": gib(p for p in drafter if p.requires_grad),
         "optimizer_state": gib(state),
     }
+
+
+# Per compiled frame, dynamo's CompilationMetrics fields (microseconds) worth printing, by label. Nested like the
+# stages: the total holds dynamo's tracing, which holds AOT autograd, which holds Inductor (forward and backward
+# graphs: with symbolic sizes the backward compiles with its forward), which holds code generation and Triton.
+FRAME_PARTS = {
+    "dynamo": "dynamo_cumulative_compile_time_us",
+    "AOT": "aot_autograd_cumulative_compile_time_us",
+    "Inductor": "inductor_cumulative_compile_time_us",
+    "codegen": "inductor_code_gen_cumulative_compile_time_us",
+    "Triton": "triton_compile_time_us",
+}
+
+
+def compiled_frames_since(start_us: int) -> list[dict]:
+    """The frames dynamo compiled since `start_us` (`time.time_ns() // 1000`), in order: where each is in the code,
+    its compile id (`1/1`: the frame's second graph, a recompile), its seconds in all and per FRAME_PARTS part (a
+    part torch does not report is left out), and its graph's op count. From `torch._dynamo.utils`' last 64."""
+    from torch._dynamo.utils import get_compilation_metrics
+
+    frames = []
+    for metrics in get_compilation_metrics():
+        if (getattr(metrics, "start_time_us", None) or 0) < start_us:
+            continue
+        filename = Path(getattr(metrics, "co_filename", None) or "?").name
+        frame = {
+            "frame": f"{metrics.co_name} ({filename}:{metrics.co_firstlineno})",
+            "compile_id": str(metrics.compile_id),
+            "seconds": round((getattr(metrics, "duration_us", None) or 0) / 1e6, 2),
+            "ops": getattr(metrics, "graph_op_count", None),
+        }
+        for label, name in FRAME_PARTS.items():
+            value = getattr(metrics, name, None)
+            if value:
+                frame[label] = round(value / 1e6, 2)
+        frames.append(frame)
+    return frames
+
+
+def describe_frames(frames: list[dict]) -> str:
+    """`forward (drafter.py:176) [1/0] 14.2s: dynamo 14.2s, AOT 12.9s, ...; ...` for the first step's frames."""
+    described = []
+    for frame in frames:
+        parts = ", ".join(f"{label} {frame[label]:.1f}s" for label in FRAME_PARTS if label in frame)
+        described.append(
+            f"{frame['frame']} [{frame['compile_id']}] {frame['seconds']:.1f}s ({frame['ops']} ops: {parts})"
+        )
+    return "; ".join(described) or "none"
 
 
 def fresh_compile_state() -> None:
@@ -628,6 +682,8 @@ def print_phase(r: PhaseResult) -> None:
         f"{'':>32}  first step's compile: {describe_compile_stages(r.first_step_compile_stages)}; timed steps at "
         f"{describe_clock(r.sm_clock_mhz, r.power_w)}"
     )
+    if r.first_step_frames:
+        print(f"{'':>32}  first step's frames: {describe_frames(r.first_step_frames)}")
     if r.step_ms and (max(r.step_ms) > 1.2 * min(r.step_ms) or any(r.step_compiles) or any(r.step_triton_compiles)):
         # Uneven or compiling steps: each one, to tell a slow steady state from a few hit steps.
         print(f"{'':>32}  timed steps (ms): {r.describe_steps()}")

@@ -1,9 +1,10 @@
 """torch.compile with symbolic sizes, for code that meets a new batch shape every few steps.
 
 Contract: `compile_dynamic(fn)` is `torch.compile(fn, dynamic=True)` after `keep_sizes_apart()`. The project's
-compiles with symbolic sizes from the first call go through one of the two (the drafter's layers and norms, the
-target's decoder layers, the drafter's block-mask builder, the FP8 quantizer); `flex.py`'s compiled flex attention
-(`dynamic=None`, symbolic after its first recompile) is covered by the process-wide switch once either has run.
+compiles with symbolic sizes from the first call go through one of the two (the drafter's layers and norms, its
+FP8 context projection, the target's decoder layers, the drafter's block-mask builder, the FP8 quantizer);
+`flex.py`'s compiled flex attention (`dynamic=None`, symbolic after its first recompile) is covered by the
+process-wide switch once either has run.
 The compiled code then serves later shapes without a recompile whichever sizes happened to be equal in the first
 call. Sizes 0 and 1 are still specialised (dynamo always does): a first batch of one row compiles once more at two.
 
@@ -28,7 +29,8 @@ def keep_sizes_apart() -> None:
     fx_config.use_duck_shape = False
 
 
-def compile_dynamic(fn: Callable, *, backend: str = "inductor") -> Callable:
-    """`fn` compiled with symbolic sizes from the first call, each size its own symbol."""
+def compile_dynamic(fn: Callable, *, backend: str = "inductor", mode: str | None = None) -> Callable:
+    """`fn` compiled with symbolic sizes from the first call, each size its own symbol; `mode` is Inductor's
+    (None: its default)."""
     keep_sizes_apart()
-    return torch.compile(fn, dynamic=True, backend=backend)
+    return torch.compile(fn, dynamic=True, backend=backend, mode=mode)

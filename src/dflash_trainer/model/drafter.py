@@ -21,9 +21,10 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding
 
-from ..compiling import keep_sizes_apart
+from ..compiling import compile_dynamic, keep_sizes_apart
 from .attention import Backend, DrafterMasks, MaskVariant, attend
 from .config import DrafterModelConfig
+from .fp8 import Fp8Scaling, Fp8TrainingLinear, convert_to_fp8_training, fp8_linear
 
 
 class RMSNorm(nn.Module):
@@ -45,10 +46,21 @@ class RMSNorm(nn.Module):
 def fused_linear(x: Tensor, layers: Sequence[nn.Linear]) -> list[Tensor]:
     """The outputs of several Linear layers that read the same input, from one matmul over their concatenated
     weights (and biases). The parameters, and with them the checkpoint names, stay separate; the step runs one
-    wider GEMM instead of narrow ones (q/k/v: 576 / 192 / 192 columns on SmolLM2), in the backward too."""
+    wider GEMM instead of narrow ones (q/k/v: 576 / 192 / 192 columns on SmolLM2), in the backward too. In FP8
+    when all of them train in FP8 (`model/fp8.py`: the concatenated weight is quantised as one)."""
     weight = torch.cat([layer.weight for layer in layers])  # [sum(out), in]
     bias = None if layers[0].bias is None else torch.cat([layer.bias for layer in layers])
-    return list(F.linear(x, weight, bias).split([layer.out_features for layer in layers], dim=-1))
+    if all(isinstance(layer, Fp8TrainingLinear) and layer.training for layer in layers):
+        out = fp8_linear(x, weight, bias, rowwise=layers[0].rowwise)
+    else:
+        out = F.linear(x, weight, bias)
+    return list(out.split([layer.out_features for layer in layers], dim=-1))
+
+
+def project_context(fc: nn.Linear, hidden_norm: RMSNorm, features: Tensor) -> Tensor:
+    """[R, T, K*H] target features -> [R, T, H] context (`DFlashDrafter.fuse_context`); a function of its modules,
+    so that the FP8 path compiles the projection and the norm as one region (`DFlashDrafter.compile_layers`)."""
+    return hidden_norm(fc(features))
 
 
 def rotate_half(x: Tensor) -> Tensor:
@@ -195,6 +207,8 @@ class DFlashDrafter(nn.Module):
         # (q/k/v, attention output, the MLP's 3 x intermediate-wide tensors), for one more forward of the layers.
         self.checkpoint_layers = False
         self.rotary_emb = Qwen3RotaryEmbedding(config.to_hf_config())
+        self._project_context = project_context  # compiled by compile_layers
+        self._one_layer_graph = False  # compile_layers: see forward
         # Kept outside the module's buffers so `.to(bfloat16)` cannot round it (see `_apply`).
         self._inv_freq_fp32 = self.rotary_emb.inv_freq.detach().clone().float().cpu()
         self.reset_parameters()
@@ -227,7 +241,7 @@ class DFlashDrafter(nn.Module):
         under autocast the projection casts them itself, so they are left as they are (no [R, T, K*H] copy)."""
         if not torch.is_autocast_enabled(features.device.type):
             features = features.to(self.fc.weight.dtype)
-        return self.hidden_norm(self.fc(features))
+        return self._project_context(self.fc, self.hidden_norm, features)
 
     def forward(
         self,
@@ -244,6 +258,13 @@ class DFlashDrafter(nn.Module):
         query sees all context and its whole block."""
         ctx = self.fuse_context(features)
         x = block_embeds.to(ctx.dtype)
+        if self._one_layer_graph and torch.is_grad_enabled() and not x.requires_grad:
+            # Compiled layers guard on whether their input requires grad: the first layer's (frozen embeddings)
+            # does not, the others' do, so the first would compile a graph of its own, forward and backward (one
+            # more layer compile in the cold first step). With this input a leaf that requires grad, all layers
+            # run one graph; the price is the first layer's input gradient, which nothing reads: one
+            # [tokens, q+k+v] x [q+k+v, H] GEMM and a norm backward per step (~2 ms at the paper shape, 0.5 %).
+            x = x.detach().requires_grad_()
         block_rope = self.rotary_emb(x, block_positions)  # cos/sin [R, N*B, D]
         ctx_rope = self.rotary_emb(x, ctx_positions)  # [R, T, D]
         recompute = self.checkpoint_layers and self.training and torch.is_grad_enabled()
@@ -263,15 +284,30 @@ class DFlashDrafter(nn.Module):
         for layer in self.layers:
             layer.self_attn.flex_kernel_options = dict(options)
 
-    def compile_layers(self, mode: str = "default") -> None:
+    def use_fp8_training(self, scaling: Fp8Scaling = "tensorwise") -> tuple[int, int]:
+        """Train the linear layers (q/k/v/o, gate/up/down, fc; never the norms) in FP8 from now on (`model/fp8.py`):
+        same parameters and names, exact in eval mode. Call before compile_layers and before building the optimizer.
+        Returns (linear layers converted, left in high precision because a size is not a multiple of 16)."""
+        return convert_to_fp8_training(self, scaling=scaling)
+
+    def compile_layers(self, mode: str = "default", backend: str = "inductor") -> None:
         """torch.compile each decoder layer (GPU training): fuses the norms, RoPE, SwiGLU and residual adds
         around the matmuls and compiles flex attention inside. Shapes change from batch to batch (rows, row
         length, anchors; bucketed by the data stage), so the layers compile with symbolic sizes from the first
         call: one compile, no recompile per new shape. The layers share one code object and read no per-layer
-        value on the training path, so they also share the compiled code. The two norms outside the layers are
-        compiled too: eager, the final one makes seven float32 passes over every block position."""
+        value on the training path, so they also share the compiled code: one frame, one graph for all of them
+        (regional compilation), once the first layer's input requires grad as the others' do (forward). The two
+        norms outside the layers are compiled too (one more frame: eager, the final one makes seven float32 passes
+        over every block position); an FP8 context projection compiles with its norm as one region instead, so
+        that the quantisation of the [R, T, K*H] features and of the weight fuses. `backend`: another dynamo
+        backend, for tests ("eager" counts frames without Inductor)."""
         keep_sizes_apart()  # the first batch's coincident sizes must not become guards (compiling.py)
+        self._one_layer_graph = True
+        options = {} if backend != "inductor" else {"mode": mode}
         for layer in self.layers:
-            layer.compile(dynamic=True, mode=mode)
-        for norm in (self.hidden_norm, self.norm):
-            norm.compile(dynamic=True, mode=mode)
+            layer.compile(dynamic=True, backend=backend, **options)
+        self.norm.compile(dynamic=True, backend=backend, **options)
+        if isinstance(self.fc, Fp8TrainingLinear):
+            self._project_context = compile_dynamic(project_context, backend=backend, **options)
+        else:
+            self.hidden_norm.compile(dynamic=True, backend=backend, **options)

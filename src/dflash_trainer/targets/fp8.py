@@ -32,21 +32,16 @@ import torch
 from torch import Tensor, nn
 
 from ..compiling import compile_dynamic
+from ..model.fp8 import E4M3, quantize
 
-E4M3 = torch.float8_e4m3fn
-E4M3_MAX = torch.finfo(E4M3).max  # 448
 # Children never quantised: routers pick experts by argmax.
 _EXACT_CHILDREN = {"gate", "router"}
-# An all-zero row would give scale 0 and 0/0; its quantised values are 0 whatever the (tiny) scale.
-_MIN_AMAX = 1e-12
 
 
 def quantize_rowwise(values: Tensor) -> tuple[Tensor, Tensor]:
-    """`[M, K]` -> (e4m3 `[M, K]`, float32 scales `[M, 1]`) with `values ~ quantised * scales` row by row."""
-    amax = values.abs().amax(dim=-1, keepdim=True).float().clamp(min=_MIN_AMAX)  # [M, 1]
-    scale = amax / E4M3_MAX
-    quantised = (values.float() / scale).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3)
-    return quantised, scale
+    """`[M, K]` -> (e4m3 `[M, K]`, float32 scales `[M, 1]`) with `values ~ quantised * scales` row by row (the
+    quantiser the drafter's FP8 training shares, `model/fp8.py`)."""
+    return quantize(values, E4M3, rowwise=True)
 
 
 @cache

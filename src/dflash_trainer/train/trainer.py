@@ -53,6 +53,7 @@ from ..model.anchors import block_state_rows, gather_block_states, kept_blocks_o
 from ..model.attention import build_masks, resolve_backend
 from ..model.config import DrafterModelConfig
 from ..model.drafter import DFlashDrafter
+from ..model.fp8 import fp8_training_problem
 from ..model.loss import (
     LossMetrics,
     TargetPositionLogits,
@@ -322,6 +323,8 @@ class Trainer:
                 self._copy_target_layers(self.config.drafter.init_layers_from_target)
         self.drafter.set_flex_kernel_options(self.config.drafter.flex_kernel_options)
         self.drafter.checkpoint_layers = self.config.drafter.activation_checkpointing
+        if self.config.drafter.fp8:
+            self._use_fp8_drafter()
         if self.config.drafter.compile and self.device.type == "cuda":
             self.drafter.compile_layers(mode=self.config.drafter.compile_mode)
         self.sync = make_sync(
@@ -339,6 +342,14 @@ class Trainer:
         precision = self.config.train.precision
         use_bf16 = precision == "bf16" or (precision == "auto" and self.device.type == "cuda")
         self.autocast_dtype = torch.bfloat16 if use_bf16 else None
+
+    def _use_fp8_drafter(self) -> None:
+        problem = fp8_training_problem(self.device)
+        if problem is not None:
+            raise ConfigError(f"drafter.fp8: {problem}; set drafter.fp8=false")
+        scaling = self.config.drafter.fp8_scaling
+        converted, kept = self.drafter.use_fp8_training(scaling)
+        self.log(f"drafter: {converted} linear layers train in FP8 ({scaling} scales), {kept} in high precision")
 
     def _copy_target_layers(self, spec: list[int]) -> None:
         layers = decoder_module(self.target.model).layers

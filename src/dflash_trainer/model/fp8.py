@@ -1,0 +1,215 @@
+"""FP8 training of the drafter's linear layers (`drafter.fp8`): the forward and both backward GEMMs in FP8.
+
+For a linear layer `y = x Wᵀ` with x `[M, K]` (M tokens) and W `[N, K]`, one training step runs three GEMMs:
+    forward        y  = x  Wᵀ     [M, N]   contracts K
+    input grad     dx = dy W      [M, K]   contracts N
+    weight grad    dW = dyᵀ x     [N, K]   contracts M
+Each runs as `torch._scaled_mm` on FP8 operands `a ~ a_q * s_a`, `b ~ b_q * s_b` with float32 accumulation:
+`a @ bᵀ = s_a * s_b * (a_q @ b_qᵀ)`, where a scale may vary along the operand's rows (one per output row or column
+of the GEMM) but never along the contracted dimension. Quantising a tensor: `s = amax(|v|) / max(dtype)`,
+`v_q = round_to_nearest(v / s)`, so the largest element lands on the format's largest finite value and nothing
+saturates. The master weights stay float32 and the optimizer is untouched: the weight is quantised from its
+float32 value at every step, and its gradient comes back in float32 like the bf16 path's.
+
+Two scalings (`drafter.fp8_scaling`):
+- `tensorwise` (default): one scale per tensor. x and W are quantised once in the forward and their FP8 copies are
+  kept for the backward (half the bytes of bf16), transposed there into the layouts the GEMMs want; dy is quantised
+  once for both backward GEMMs. Gradients in **e5m2**: one scale has to cover a gradient whose rows differ by
+  orders of magnitude (slot weights from 1 to e^-2, confident slots near 0, padded slots exactly 0), and e5m2 keeps
+  full relative precision over 2^30 of magnitudes below its scale where e4m3 keeps it over 2^15 (and flushes to zero
+  below 2^-18 of its largest value); e4m3 for x and W, which RMSNorm and the weight's own spread keep within a narrow
+  range. The fast path: cuBLAS's FP8 GEMM, and the fewest quantisation passes.
+- `rowwise`: one scale per row of each operand along the contracted dimension: per token for the forward and the
+  input grad, per feature (over tokens) for the weight grad. Every operand, gradients included, in **e4m3**: with
+  a scale per row the range is no problem, and e4m3's extra mantissa bit halves the rounding error. The backward
+  quantises x and dy again along the other axis, so x is kept in bf16. More accurate, more passes.
+Accumulation (as torchao's recipes): the forward GEMM accumulates fast (Hopper's FP8 accumulator without periodic
+promotion to float32); the tensorwise backward GEMMs accumulate in float32, since the weight grad sums over every
+token of the batch; rowwise accumulates fast in all three, the only fast setting of its CUTLASS kernel.
+
+Error: e4m3 rounds to 3 mantissa bits (2^-4 relative at most, ~2.6 % RMS over a binade), e5m2 to 2 bits (2^-3,
+~5.1 % RMS). A GEMM of two e4m3 operands is ~3.6 % (RMS, relative) off the exact product of its inputs, one with an
+e5m2 operand ~5.7 % (errors add in quadrature), against ~0.3 % for bf16. The formats are floating point, so a row
+far below the tensor's maximum keeps its relative precision under one tensorwise scale, down to where the format's
+normal range ends (2^-15 of the maximum for e4m3, 2^-30 for e5m2; below it subnormals, then zero). The tests bound
+each GEMM against a float64 product of the same inputs (`tests/test_fp8_drafter.py`).
+
+Where it applies: every `nn.Linear` of the drafter whose sizes are multiples of 16 (`torch._scaled_mm` needs it
+on the GPU): q/k/v/o and gate/up/down of every layer and the context projection `fc`, never the norms. The weight
+grad contracts over tokens, so the token count is padded to a multiple of 16 there (with zeros, which add nothing)
+when it is not one already; the data stage's buckets make it one on the GPU. In eval mode the layers compute
+exactly (`F.linear`): evaluation and export see the float32 weights, as a server will.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+E4M3 = torch.float8_e4m3fn
+E5M2 = torch.float8_e5m2
+E4M3_MAX = torch.finfo(E4M3).max  # 448
+# torch._scaled_mm's alignment on the GPU: both sizes of the second operand and the contracted size.
+ALIGNMENT = 16
+
+Fp8Scaling = Literal["tensorwise", "rowwise"]
+
+
+def quantize(values: Tensor, dtype: torch.dtype = E4M3, *, rowwise: bool = True) -> tuple[Tensor, Tensor]:
+    """`[M, K]` in any layout -> (`dtype` `[M, K]` contiguous, float32 scales `[M, 1]` (rowwise) or `[]`) with
+    `values ~ quantised * scales`: each row's (or the tensor's) largest magnitude maps to the format's largest
+    finite value, the rest rounds to nearest."""
+    largest = torch.finfo(dtype).max
+    magnitude = values.abs()
+    amax = magnitude.amax(dim=-1, keepdim=True) if rowwise else magnitude.amax()
+    # An all-zero tensor or row would give scale 0 and 0/0; its quantised values are 0 whatever the (tiny) scale.
+    # A literal, not a module-level float: dynamo lifts such a global into the graph as an input when it traces
+    # an autograd.Function, and fails on the second such Function in one graph (torch 2.13).
+    scale = amax.float().clamp(min=1e-12) / largest
+    quantised = (values.float() / scale).clamp(-largest, largest).to(dtype)
+    return quantised.contiguous(), scale
+
+
+def scaled_matmul(
+    a: Tensor, a_scale: Tensor, b: Tensor, b_scale: Tensor, out_dtype: torch.dtype, *, fast_accum: bool = False
+) -> Tensor:
+    """`(a * a_scale) @ (b * b_scale)ᵀ` -> `[M, N]` in `out_dtype`, from FP8 `a` `[M, K]` and `b` `[N, K]`, both
+    row-major, with scales `[M, 1]` / `[N, 1]` or one each. (`b`'s transpose is the column-major operand
+    `torch._scaled_mm` wants.) Row-wise scaling on CUDA gives bf16 only: other dtypes are cast from it."""
+    mm_dtype = torch.bfloat16 if a.is_cuda else out_dtype
+    b_scale = b_scale.t().contiguous() if b_scale.dim() else b_scale  # [1, N]
+    out = torch._scaled_mm(a, b.t(), scale_a=a_scale, scale_b=b_scale, out_dtype=mm_dtype, use_fast_accum=fast_accum)
+    return out.to(out_dtype)
+
+
+def transposed(values: Tensor) -> Tensor:
+    """`[M, C]` -> `[C, M']` contiguous, M' = M rounded up to ALIGNMENT with zero columns (FP8 tensors too): the
+    weight grad contracts over the M tokens, and zero tokens add nothing to it."""
+    rows = values.shape[0]
+    if rows % ALIGNMENT:  # never on the GPU (the data stage's buckets); a guard under dynamo
+        # Padded as bytes: a zero byte is +0 in both FP8 formats, and Inductor has no FP8 type promotion.
+        padding = (0, 0, 0, (-rows) % ALIGNMENT)
+        values = F.pad(values.view(torch.uint8), padding).view(values.dtype)
+    return values.t().contiguous()
+
+
+def pad_rows(values: Tensor) -> Tensor:
+    """`[M, C]` -> `[M', C]` with zero rows up to a multiple of ALIGNMENT (a no-op when M is one)."""
+    rows = values.shape[0]
+    return values if rows % ALIGNMENT == 0 else F.pad(values, (0, 0, 0, (-rows) % ALIGNMENT))
+
+
+class _Fp8Matmul(torch.autograd.Function):
+    """`rows [M, K] @ weight [N, K]ᵀ` with the three GEMMs of training in FP8 (module docstring)."""
+
+    @staticmethod
+    def forward(ctx, rows: Tensor, weight: Tensor, rowwise: bool, out_dtype: torch.dtype) -> Tensor:
+        with torch.autocast(rows.device.type, enabled=False):  # the dtypes here are chosen explicitly
+            x_q, x_scale = quantize(rows, E4M3, rowwise=rowwise)  # [M, K], [M, 1] | []
+            w_q, w_scale = quantize(weight, E4M3, rowwise=rowwise)  # [N, K], [N, 1] | []
+            out = scaled_matmul(x_q, x_scale, w_q, w_scale, out_dtype, fast_accum=True)  # [M, N]
+        if rowwise:  # quantised again along the other axis in the backward
+            ctx.save_for_backward(rows, weight)
+        else:  # the FP8 copies serve the backward as they are
+            ctx.save_for_backward(x_q, x_scale, w_q, w_scale)
+        ctx.rowwise, ctx.out_dtype = rowwise, out_dtype
+        ctx.rows_dtype, ctx.weight_dtype = rows.dtype, weight.dtype
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out: Tensor) -> tuple[Tensor | None, Tensor | None, None, None]:
+        need_rows, need_weight = ctx.needs_input_grad[:2]
+        out_dtype = ctx.out_dtype
+        grad_rows = grad_weight = None
+        with torch.autocast(grad_out.device.type, enabled=False):
+            if ctx.rowwise:
+                rows, weight = ctx.saved_tensors
+                if need_rows:
+                    g_q, g_scale = quantize(grad_out, E4M3, rowwise=True)  # [M, N], per token
+                    wt_q, wt_scale = quantize(weight.t(), E4M3, rowwise=True)  # [K, N], per input feature
+                    grad_rows = scaled_matmul(g_q, g_scale, wt_q, wt_scale, out_dtype, fast_accum=True)  # [M, K]
+                if need_weight:
+                    gt_q, gt_scale = quantize(pad_rows(grad_out).t(), E4M3, rowwise=True)  # [N, M'], per output
+                    xt_q, xt_scale = quantize(pad_rows(rows).t(), E4M3, rowwise=True)  # [K, M'], per input
+                    grad_weight = scaled_matmul(gt_q, gt_scale, xt_q, xt_scale, out_dtype, fast_accum=True)  # [N, K]
+            else:
+                x_q, x_scale, w_q, w_scale = ctx.saved_tensors
+                g_q, g_scale = quantize(grad_out, E5M2, rowwise=False)  # [M, N]
+                if need_rows:
+                    grad_rows = scaled_matmul(g_q, g_scale, transposed(w_q), w_scale, out_dtype)  # [M, K]
+                if need_weight:
+                    grad_weight = scaled_matmul(transposed(g_q), g_scale, transposed(x_q), x_scale, out_dtype)  # [N, K]
+        grad_rows = None if grad_rows is None else grad_rows.to(ctx.rows_dtype)
+        grad_weight = None if grad_weight is None else grad_weight.to(ctx.weight_dtype)
+        return grad_rows, grad_weight, None, None
+
+
+def fp8_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, *, rowwise: bool = False) -> Tensor:
+    """`F.linear(x, weight, bias)` for training with its three GEMMs in FP8. x `[..., K]`, weight `[N, K]` (the
+    float32 master weight, or any float dtype) -> `[..., N]` in autocast's dtype under autocast, else x's."""
+    device = x.device.type
+    out_dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
+    rows = x.reshape(-1, x.shape[-1])  # [M, K]
+    out = _Fp8Matmul.apply(rows, weight, rowwise, out_dtype)  # [M, N]
+    if bias is not None:
+        out = out + bias.to(out_dtype)
+    return out.view(*x.shape[:-1], weight.shape[0])
+
+
+class Fp8TrainingLinear(nn.Linear):
+    """An `nn.Linear` whose matmul runs in FP8 while training (`fp8_linear`) and exactly in eval mode. It adopts the
+    replaced layer's parameters, so names, state dict, optimizer and export are those of the `nn.Linear`."""
+
+    def __init__(self, linear: nn.Linear, *, rowwise: bool) -> None:
+        nn.Module.__init__(self)  # not nn.Linear's: it would allocate weights of its own
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.weight = linear.weight
+        self.register_parameter("bias", linear.bias)
+        self.rowwise = rowwise
+
+    def forward(self, x: Tensor) -> Tensor:
+        if not self.training:
+            return F.linear(x, self.weight, self.bias)
+        return fp8_linear(x, self.weight, self.bias, rowwise=self.rowwise)
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, fp8 {'rowwise' if self.rowwise else 'tensorwise'}"
+
+
+def fp8_eligible(linear: nn.Module) -> bool:
+    """A plain `nn.Linear` whose sizes the GPU's scaled matmul takes."""
+    return type(linear) is nn.Linear and linear.in_features % ALIGNMENT == 0 and linear.out_features % ALIGNMENT == 0
+
+
+def convert_to_fp8_training(module: nn.Module, *, scaling: Fp8Scaling = "tensorwise") -> tuple[int, int]:
+    """Swap every `nn.Linear` inside `module` whose sizes allow it for an `Fp8TrainingLinear` with the same
+    parameters. Returns (converted, left in high precision). Call before building the optimizer or compiling."""
+    if scaling not in ("tensorwise", "rowwise"):
+        raise ValueError(f"fp8 scaling must be 'tensorwise' or 'rowwise', got {scaling!r}")
+    converted = skipped = 0
+    for parent in list(module.modules()):
+        for name, child in list(parent.named_children()):
+            if fp8_eligible(child):
+                setattr(parent, name, Fp8TrainingLinear(child, rowwise=scaling == "rowwise"))
+                converted += 1
+            elif type(child) is nn.Linear:
+                skipped += 1
+    return converted, skipped
+
+
+def fp8_training_problem(device: torch.device) -> str | None:
+    """Why FP8 training cannot run on `device` (None: it can). CUDA needs FP8 tensor cores (compute capability 8.9+:
+    Ada, Hopper, Blackwell); the CPU runs torch's reference scaled matmul (slow, for tests)."""
+    if device.type == "cpu":
+        return None
+    if device.type == "cuda":
+        capability = torch.cuda.get_device_capability(device)
+        if capability >= (8, 9):
+            return None
+        return (
+            f"needs a GPU with FP8 tensor cores (compute capability 8.9+), this one has {capability[0]}.{capability[1]}"
+        )
+    return f"runs on CUDA GPUs with FP8 tensor cores or on the CPU, not on {device.type}"
