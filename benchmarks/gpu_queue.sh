@@ -7,10 +7,12 @@
 #   bash benchmarks/gpu_queue.sh wait 540                            # a line per job every POLL seconds (60)
 #   OUT=/tmp/out bash benchmarks/gpu_queue.sh collect                 # $OUT/queue-logs.tgz (+ the JSON files)
 #
-# Jobs run from a copy of the repository root in /tmp/queue-repo with PYTHONPATH=src, in the order written; a job
-# that fails does not stop the next. Each job's output is $RES/NAME.log, its exit status $RES/NAME.rc, and $RES/NAME
-# is its own folder (exported as JOB_OUT: write JSON there). Wheels in .whl/ (the package's own dependencies the
-# machine lacks) and .fla/ (flash-linear-attention, for hybrid targets) are installed into /tmp/site first.
+# Jobs run from a copy of the repository root (/tmp/queue-repo-K for the K-th `start`) with PYTHONPATH=src, in the
+# order written; a job that fails does not stop the next. A `start` while a queue runs appends its jobs: they run
+# after it, from the tree as it was at this `start`. Each job's output is $RES/NAME.log, its exit status
+# $RES/NAME.rc, and $RES/NAME is its own folder (exported as JOB_OUT: write JSON there). Wheels in .whl/ (the
+# package's own dependencies the machine lacks) and .fla/ (flash-linear-attention, for hybrid targets) are installed
+# into /tmp/site first.
 set -u
 STAGE=${1:?usage: gpu_queue.sh start QUEUE_FILE | wait SECONDS | collect}
 RES=/tmp/queue-results
@@ -22,23 +24,28 @@ export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
 case "$STAGE" in
   start)
     queue=${2:?start needs the queue file}
-    rm -rf "$RES" "$REPO" && mkdir -p "$RES" "$REPO"
-    cp -r . "$REPO"/
+    mkdir -p "$RES"
+    part=$(ls "$RES"/run-queue-*.sh 2>/dev/null | wc -l)
+    repo=$REPO-$part
+    rm -rf "$repo" && mkdir -p "$repo" && cp -r . "$repo"/
     for wheels in .whl .fla; do
       if ls "$wheels"/*.whl > /dev/null 2>&1; then
         python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" "$wheels"/*.whl
       fi
     done
-    runner="$RES/run-queue.sh"
+    runner="$RES/run-queue-$part.sh"
     {
-      echo "cd $REPO && export PYTHONPATH=$REPO/src:$SITE OMP_NUM_THREADS=8"
+      # After the queue started before this one, if any.
+      [ "$part" -gt 0 ] && echo "while [ ! -f $RES/queue-$((part - 1)).done ]; do sleep 5; done"
+      echo "cd $repo && export PYTHONPATH=$repo/src:$SITE OMP_NUM_THREADS=8"
       grep -v '^\s*\(#\|$\)' "$queue" | while IFS= read -r line; do
         name=${line%%:*} command=${line#*:}
         echo "mkdir -p $RES/$name; echo \$(date +%s) > $RES/$name.start; (export JOB_OUT=$RES/$name; $command) > $RES/$name.log 2>&1; echo \$? > $RES/$name.rc"
       done
-      echo "touch $RES/queue.done"
+      echo "touch $RES/queue-$part.done"
     } > "$runner"
-    setsid bash "$runner" < /dev/null > "$RES/queue.log" 2>&1 &
+    rm -f "$RES/queue.done"
+    setsid bash -c "bash $runner; touch $RES/queue.done" < /dev/null > "$RES/queue-$part.out" 2>&1 &
     nvidia-smi --query-gpu=index,name,memory.used --format=csv,noheader
     echo "started: $(grep -c '^mkdir' "$runner") jobs from $queue"
     ;;
@@ -49,7 +56,6 @@ case "$STAGE" in
       for log in "$RES"/*.log; do
         [ -f "$log" ] || continue
         name=$(basename "$log" .log)
-        [ "$name" = queue ] && continue
         state=running
         [ -f "$RES/$name.rc" ] && state="exit $(cat "$RES/$name.rc")"
         echo "$name ($state): $(tr '\r' '\n' < "$log" | grep -v '^\s*$' | tail -n 1 | cut -c1-200)"
