@@ -16,6 +16,7 @@ from dflash_trainer.data.chat import generation_prompt_ids, tokenize_conversatio
 from dflash_trainer.data.prepare import prepare
 from dflash_trainer.data.shards import load_shards
 from dflash_trainer.decoding.batch import BatchDecoder
+from dflash_trainer.targets import regen_journal
 from dflash_trainer.targets import regenerate as regen
 from dflash_trainer.targets.loader import LoadedTarget, load_target
 from dflash_trainer.targets.regenerate import RegenerateError, cut_at_stop, regenerate
@@ -150,7 +151,7 @@ def test_replies_are_exactly_the_targets_greedy_replies(stopping_target, tmp_pat
     assert summary.records == len(written)
     assert summary.dropped == {"empty_reply": len(expected) - len(written)}
     assert summary.truncated == sum("truncated" in m for m in replies)
-    assert not (tmp_path / "out" / regen.JOURNAL_FILE).exists()
+    assert not (tmp_path / "out" / regen_journal.JOURNAL_FILE).exists()
 
 
 def test_prompt_batches_change_nothing(stopping_target, tmp_path, monkeypatch):
@@ -178,7 +179,7 @@ def test_multi_turn_chains_are_served_before_single_turn_prompts(target, tmp_pat
     reply = [*target.tokenizer("w5", add_special_tokens=False)["input_ids"], target.stop_token_ids[0]]
     served: list[tuple[int, int]] = []
 
-    class OneRow(regen._EngineGenerator):
+    class OneRow(regen.Engine):
         name = "one row"
 
         def generate(self, queue):
@@ -187,7 +188,7 @@ def test_multi_turn_chains_are_served_before_single_turn_prompts(target, tmp_pat
                 served.append(request.key)
                 yield Completion(request.key, reply, stopped=True)
 
-    monkeypatch.setattr(regen, "_make_engine", lambda *args, **kwargs: OneRow())
+    monkeypatch.setattr(regen, "make_engine", lambda *args, **kwargs: OneRow())
     three_turns = [
         {"role": "user", "content": "w1"},
         {"role": "assistant", "content": "w2"},
@@ -273,7 +274,7 @@ def test_killed_run_resumes_and_writes_what_an_uninterrupted_run_writes(target, 
     settings = dict(max_new_tokens=MAX_NEW_TOKENS, batch_size=3, temperature=temperature, progress=False)
     regenerate(records, target, tmp_path / "reference", **settings)
 
-    original_write = regen._Journal.write
+    original_write = regen_journal.Journal.write
     written = []
 
     def crash_after_three(self, entry):
@@ -282,12 +283,12 @@ def test_killed_run_resumes_and_writes_what_an_uninterrupted_run_writes(target, 
         written.append(entry["index"])
         original_write(self, entry)
 
-    monkeypatch.setattr(regen._Journal, "write", crash_after_three)
+    monkeypatch.setattr(regen_journal.Journal, "write", crash_after_three)
     with pytest.raises(_Crash):
         regenerate(records, target, tmp_path / "out", **settings)
-    monkeypatch.setattr(regen._Journal, "write", original_write)
+    monkeypatch.setattr(regen_journal.Journal, "write", original_write)
     assert not (tmp_path / "out" / regen.OUTPUT_FILE).exists()
-    with (tmp_path / "out" / regen.JOURNAL_FILE).open("a") as f:
+    with (tmp_path / "out" / regen_journal.JOURNAL_FILE).open("a") as f:
         f.write('{"index": 6, "id": "6", "mess')  # a write cut short by the kill
 
     prompts = []
