@@ -4,12 +4,9 @@ attention) target through the engine."""
 
 from __future__ import annotations
 
-import dataclasses
 import json
-from pathlib import Path
 
 import pytest
-import torch
 
 from decoding_helpers import cpu_target, one_thread  # noqa: F401 (one_thread: autouse fixture)
 from dflash_trainer.data.chat import generation_prompt_ids, tokenize_conversation
@@ -20,30 +17,14 @@ from dflash_trainer.targets import regen_journal
 from dflash_trainer.targets import regenerate as regen
 from dflash_trainer.targets.loader import LoadedTarget, load_target
 from dflash_trainer.targets.regenerate import RegenerateError, cut_at_stop, regenerate
-
-MAX_NEW_TOKENS = 5
-
-CONVERSATIONS = [
-    [{"role": "user", "content": "w1 w2 w3"}],
-    {
-        "messages": [
-            {"role": "system", "content": "w5"},
-            {"role": "user", "content": "w9 w10"},
-            {"role": "assistant", "content": "w3"},
-        ]
-    },
-    {
-        "id": "multi",
-        "messages": [
-            {"role": "user", "content": "w1"},
-            {"role": "assistant", "content": "w2"},
-            {"role": "user", "content": "w3 w4 w5 w6"},
-            {"role": "assistant", "content": "w2"},
-        ],
-    },
-    [{"role": "user", "content": "w40 w41 w42 w43 w44 w45 w46"}],
-    [{"role": "user", "content": "w7"}, {"role": "assistant", "content": "w8"}, {"role": "user", "content": "w11"}],
-]
+from regen_helpers import (
+    CONVERSATIONS,
+    MAX_NEW_TOKENS,
+    expected_conversation,
+    messages_of,
+    read_output,
+    stopping_target_of,
+)
 
 
 @pytest.fixture
@@ -51,76 +32,15 @@ def target(tiny_target_dir) -> LoadedTarget:
     return load_target(str(tiny_target_dir), device="cpu")
 
 
-def _greedy_reply(target: LoadedTarget, messages: list[dict]) -> tuple[str, list[int], bool]:
-    """Reference: one prompt alone through `generate`; (reply text, new ids, whether a stop token ended it)."""
-    text = target.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    prompt = torch.tensor([target.tokenizer(text, add_special_tokens=False)["input_ids"]])
-    with torch.no_grad():
-        output = target.model.generate(
-            input_ids=prompt,
-            attention_mask=torch.ones_like(prompt),
-            max_new_tokens=MAX_NEW_TOKENS,
-            do_sample=False,
-            eos_token_id=target.stop_token_ids,
-            pad_token_id=target.tokenizer.pad_token_id,
-        )
-    new_ids = output[0, prompt.shape[1] :].tolist()
-    reply_ids, stopped = cut_at_stop(new_ids, target.stop_token_ids)
-    return target.tokenizer.decode(reply_ids, skip_special_tokens=False), new_ids, stopped
-
-
-def _expected_conversation(target: LoadedTarget, messages: list[dict]) -> list[dict] | None:
-    """Each assistant turn (and one after a final user turn) replaced in order; a reply cut at max_new_tokens
-    is marked truncated and ends the conversation; None when a reply is empty."""
-    history: list[dict] = []
-    turns = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
-    if messages[-1]["role"] != "assistant":
-        turns.append(len(messages))
-    for index in range(len(messages) + 1):
-        if index in turns:
-            reply, _, stopped = _greedy_reply(target, history)
-            if not reply.strip():
-                return None
-            history.append({"role": "assistant", "content": reply, **({} if stopped else {"truncated": True})})
-            if not stopped:
-                return history
-        elif index < len(messages):
-            history.append(dict(messages[index]))
-    return history
-
-
-def _messages(item) -> list[dict]:
-    return item["messages"] if isinstance(item, dict) else item
-
-
-def _read_output(out_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (out_dir / regen.OUTPUT_FILE).read_text().splitlines()]
+@pytest.fixture
+def stopping_target(target) -> LoadedTarget:
+    return stopping_target_of(target)
 
 
 def test_cut_at_stop():
     assert cut_at_stop([5, 6, 2, 7, 2], [2]) == ([5, 6], True)
     assert cut_at_stop([5, 6, 7], [2, 9]) == ([5, 6, 7], False)
     assert cut_at_stop([9], [2, 9]) == ([], True)
-
-
-def _first_new_token_index(ids: list[int]) -> int | None:
-    """The first position k >= 1 whose token did not occur before it (random tiny models repeat a lot)."""
-    return next((k for k in range(1, len(ids)) if ids[k] not in ids[:k]), None)
-
-
-@pytest.fixture
-def stopping_target(target) -> LoadedTarget:
-    """Extra stop ids so that, with a random model, one record's reply is empty (it is left out) and other
-    replies stop midway: the first token of conversation 3's reply, and a later token of another reply."""
-    empty_stop = _greedy_reply(target, _messages(CONVERSATIONS[3]))[1][0]
-    for item in CONVERSATIONS[:3]:
-        messages = _messages(item)
-        first_turn = next((i for i, m in enumerate(messages) if m["role"] == "assistant"), len(messages))
-        _, new_ids, _ = _greedy_reply(target, messages[:first_turn])
-        k = _first_new_token_index(new_ids)
-        if new_ids[0] != empty_stop and k is not None and empty_stop not in new_ids[:k]:
-            return dataclasses.replace(target, stop_token_ids=[*target.stop_token_ids, empty_stop, new_ids[k]])
-    raise AssertionError("no reply to stop midway")
 
 
 @pytest.mark.parametrize("engine", ["engine", "hf"])
@@ -139,11 +59,11 @@ def test_replies_are_exactly_the_targets_greedy_replies(stopping_target, tmp_pat
     expected = {}
     for index, item in enumerate(CONVERSATIONS):
         record_id = item.get("id", str(index)) if isinstance(item, dict) else str(index)
-        expected[record_id] = _expected_conversation(target, _messages(item))
+        expected[record_id] = expected_conversation(target, messages_of(item))
     assert expected["3"] is None
     replies = [m for c in expected.values() if c for m in c if m["role"] == "assistant"]
     assert {"truncated" in m for m in replies} == {True, False}  # some replies stopped, some were cut
-    written = _read_output(tmp_path / "out")
+    written = read_output(tmp_path / "out")
     assert [r["id"] for r in written] == [key for key, value in expected.items() if value is not None]
     assert [r["index"] for r in written] == [i for i, value in enumerate(expected.values()) if value is not None]
     for record in written:
@@ -157,7 +77,7 @@ def test_replies_are_exactly_the_targets_greedy_replies(stopping_target, tmp_pat
 def test_prompt_batches_change_nothing(stopping_target, tmp_path, monkeypatch):
     """First-turn prompts are tokenised in batches of PROMPT_BATCH: batches of 2 (boundaries inside the list, a
     too-long prompt among them) write what one batch writes, and each prompt is what it is tokenised alone."""
-    prefixes = [m[: regen._assistant_slots(m)[0]] for m in map(_messages, CONVERSATIONS)]
+    prefixes = [m[: regen._assistant_slots(m)[0]] for m in map(messages_of, CONVERSATIONS)]
     tokenizer = stopping_target.tokenizer
     alone = [generation_prompt_ids(tokenizer, [messages])[0] for messages in prefixes]
     assert generation_prompt_ids(tokenizer, prefixes) == alone
@@ -166,7 +86,7 @@ def test_prompt_batches_change_nothing(stopping_target, tmp_path, monkeypatch):
     whole = regenerate(CONVERSATIONS, stopping_target, tmp_path / "whole", **settings)
     monkeypatch.setattr(regen, "PROMPT_BATCH", 2)
     pairs = regenerate(CONVERSATIONS, stopping_target, tmp_path / "pairs", **settings)
-    assert _read_output(tmp_path / "pairs") == _read_output(tmp_path / "whole")
+    assert read_output(tmp_path / "pairs") == read_output(tmp_path / "whole")
     assert pairs.dropped == whole.dropped and whole.dropped["prompt_too_long"] >= 1
 
 
@@ -202,11 +122,12 @@ def test_multi_turn_chains_are_served_before_single_turn_prompts(target, tmp_pat
     chains, singles = served[:7], served[7:]
     assert chains[0] == (5, 0) and sorted(chains) == [(2, 0), (2, 1), (4, 0), (4, 1), (5, 0), (5, 1), (5, 2)]
     first_prompts = {
-        index: _messages(records[index])[: regen._assistant_slots(_messages(records[index]))[0]] for index in (0, 1, 3)
+        index: messages_of(records[index])[: regen._assistant_slots(messages_of(records[index]))[0]]
+        for index in (0, 1, 3)
     }
     lengths = {index: len(generation_prompt_ids(target.tokenizer, [p])[0]) for index, p in first_prompts.items()}
     assert [index for index, _ in singles] == sorted((0, 1, 3), key=lambda index: lengths[index])
-    assert all(turn["content"] == "w5" for turn in _read_output(tmp_path / "out")[5]["messages"][1::2])
+    assert all(turn["content"] == "w5" for turn in read_output(tmp_path / "out")[5]["messages"][1::2])
 
 
 def test_progress_in_a_log_is_not_redrawn_per_reply(stopping_target, tmp_path, capsys):
@@ -229,7 +150,7 @@ def test_cut_replies_are_dropped_on_request(stopping_target, tmp_path):
         progress=False,
         truncated="drop",
     )
-    written = _read_output(tmp_path / "out")
+    written = read_output(tmp_path / "out")
     assert written and all("truncated" not in m for r in written for m in r["messages"])
     assert summary.dropped["truncated"] == summary.truncated > 0
     assert summary.records + sum(summary.dropped.values()) == len(CONVERSATIONS)
@@ -247,7 +168,7 @@ def test_a_cut_turn_ends_the_conversation_and_trains_without_end_of_turn(target,
         ]
     }
     summary = regenerate([record], target, tmp_path / "out", max_new_tokens=2, batch_size=2, progress=False)
-    (written,) = _read_output(tmp_path / "out")
+    (written,) = read_output(tmp_path / "out")
     messages = written["messages"]
     assert summary.responses == 1 and summary.truncated == 1
     assert [m["role"] for m in messages] == ["user", "assistant"] and messages[1]["truncated"] is True
@@ -303,7 +224,7 @@ def test_killed_run_resumes_and_writes_what_an_uninterrupted_run_writes(target, 
 
     assert sorted(index for index, _ in prompts) == sorted(set(range(7)) - set(written))
     assert summary.resumed_records == 3 and summary.records == 7
-    assert _read_output(tmp_path / "out") == _read_output(tmp_path / "reference")
+    assert read_output(tmp_path / "out") == read_output(tmp_path / "reference")
     assert json.loads((tmp_path / "out" / regen.SETTINGS_FILE).read_text())["complete"] is True
     # A finished directory is not regenerated again.
     prompts.clear()
@@ -330,7 +251,7 @@ def test_long_prompts_are_left_out_and_counted(target, tmp_path):
     summary = regenerate(
         records, target, tmp_path / "out", max_new_tokens=2, batch_size=2, progress=False, max_prompt_tokens=20
     )
-    assert summary.dropped == {"prompt_too_long": 1} and [r["index"] for r in _read_output(tmp_path / "out")] == [0]
+    assert summary.dropped == {"prompt_too_long": 1} and [r["index"] for r in read_output(tmp_path / "out")] == [0]
 
 
 def test_hybrid_target_regenerates_through_the_engine(tiny_qwen3_5, tiny_chat_tokenizer, tmp_path):
@@ -341,8 +262,8 @@ def test_hybrid_target_regenerates_through_the_engine(tiny_qwen3_5, tiny_chat_to
         CONVERSATIONS, target, tmp_path / "out", max_new_tokens=MAX_NEW_TOKENS, batch_size=2, progress=False
     )
     assert summary.engine == "the decoding engine"
-    expected = [_expected_conversation(target, _messages(item)) for item in CONVERSATIONS]
-    written = _read_output(tmp_path / "out")
+    expected = [expected_conversation(target, messages_of(item)) for item in CONVERSATIONS]
+    written = read_output(tmp_path / "out")
     assert [record["index"] for record in written] == [i for i, value in enumerate(expected) if value is not None]
     assert [record["messages"] for record in written] == [value for value in expected if value is not None]
 
@@ -356,7 +277,7 @@ def test_jsonl_input_layouts_and_errors(target, tmp_path):
     ]
     path.write_text("".join(json.dumps(line) + "\n" for line in lines))
     summary = regenerate(path, target, tmp_path / "out", max_new_tokens=2, batch_size=4, progress=False, limit=2)
-    written = _read_output(tmp_path / "out")
+    written = read_output(tmp_path / "out")
     assert [r["id"] for r in written] == ["data.jsonl:1", "sharegpt-7"]
     assert written[1]["messages"][0] == {"role": "user", "content": "w3"}
     assert written[1]["messages"][1]["content"] != "w4"
