@@ -16,14 +16,15 @@ decode independently; a sampled reply depends on (seed, the record's index in th
 index)), every journal line carries that index, and the merge orders the lines by it.
 
 Shares. Records differ in work by orders of magnitude (a one-line question against an eight-turn conversation whose
-every turn is a reply with a growing prompt), and input files are often ordered: by source in a mixture, by length,
-multi-turn sets in one block. Dealing by index (record i to rank i mod N) then gives rank 0 the largest record of
-every group of N in a length-sorted file, and leaves chains of turns, which run one reply after another, to fall
-unevenly. Instead records are sorted by estimated work (replies to generate, then characters of the conversation)
-and dealt in snake order (ranks 0..N-1, then N-1..0, ...): every rank gets the same number of records within one,
-the same number of chains within one per chain length, and its estimated total differs from another rank's by at
-most about the largest record's. Reply lengths are unknown in advance; over thousands of records per rank their
-sum evens out. The share depends only on the records and N (not on what is done), so ranks need not agree on it.
+every turn is a reply to a growing prompt), and the order of an input file is arbitrary: dealing by index (record
+i to rank i mod N) sends every heavy record to the same ranks when kinds alternate with a period that divides N (a
+mixture that interleaves its sources, question and long-context pairs). So the share depends on the records, not on
+their order: they are sorted by estimated work (replies to generate, then characters of the conversation) and dealt
+in snake order (ranks 0..N-1, then N-1..0, ...). Every rank gets the same number of records within one and, for
+each number of replies, the same number within two, whose characters add up to within twice the largest such
+record's of each other (in a sorted run dealt in snake order, what a rank gains in one round it gives back in the
+next). Reply lengths are unknown in advance; over thousands of records per rank they even out. The share depends
+only on the records and N (not on what is done), so the ranks need not agree on it.
 
 Meeting points run on a gloo process group of the team whose timeout is `TEAM_TIMEOUT` (days): ranks reach the
 merge minutes or hours apart, far beyond the job's collective timeout. A rank that dies does not leave the others
