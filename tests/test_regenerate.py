@@ -291,3 +291,97 @@ def test_jsonl_input_layouts_and_errors(target, tmp_path):
         path.write_text(json.dumps({"messages": messages}) + "\n")
         with pytest.raises(RegenerateError, match=r"data\.jsonl:1: the conversation has no user turn"):
             regenerate(path, target, tmp_path / "out3", max_new_tokens=2, batch_size=4, progress=False)
+
+
+# ---------------------------------------------------------------------------------------------- bad records
+
+
+def _failing_on(word: str, tokenizer):
+    """The tokenizer's `__call__`, raising as a Rust panic would (pyo3's PanicException is a BaseException) on any
+    text that holds `word`."""
+    original = type(tokenizer).__call__
+
+    def call(self, text, *args, **kwargs):
+        texts = [text] if isinstance(text, str) else text
+        if any(word in t for t in texts):
+            raise BaseException(f"tokenizer panicked on {word}")
+        return original(self, text, *args, **kwargs)
+
+    return call
+
+
+def test_a_record_the_tokenizer_fails_on_is_named_or_skipped(target, tmp_path, monkeypatch):
+    """Record 1's first prompt and record 2's second-turn prompt (after its first reply) make the tokenizer fail:
+    the run stops naming the first (`on_error="raise"`), or leaves both out and counts them (`skip`)."""
+    records = [
+        [{"role": "user", "content": "w1 w2"}],
+        {"id": "bad-first", "messages": [{"role": "user", "content": "w3 w77"}]},
+        {
+            "id": "bad-second",
+            "messages": [
+                {"role": "user", "content": "w4"},
+                {"role": "assistant", "content": "w5"},
+                {"role": "user", "content": "w77 w6"},
+            ],
+        },
+        [{"role": "user", "content": "w8 w9"}],
+    ]
+    from dflash_trainer.decoding.batch import Completion
+
+    reply = [*target.tokenizer("w5", add_special_tokens=False)["input_ids"], target.stop_token_ids[0]]
+
+    class Answering(regen.Engine):  # every turn answered "w5", so that record 2 reaches its second turn
+        name = "answering"
+
+        def generate(self, queue):
+            while queue:
+                (request,) = queue.pop(1)
+                yield Completion(request.key, reply, stopped=True)
+
+    monkeypatch.setattr(regen, "make_engine", lambda *args, **kwargs: Answering())
+    monkeypatch.setattr(type(target.tokenizer), "__call__", _failing_on("w77", target.tokenizer))
+    settings = dict(max_new_tokens=MAX_NEW_TOKENS, batch_size=2, progress=False)
+    with pytest.raises(RegenerateError, match=r"^records\[1\]: record bad-first: the tokenizer failed on turn 1"):
+        regenerate(records, target, tmp_path / "raise", **settings)
+    summary = regenerate(records, target, tmp_path / "skip", on_error="skip", **settings)
+    assert summary.dropped["tokenizer_error"] == 2
+    assert "tokenizer panicked on w77" in summary.examples["tokenizer_error"]
+    assert [record["id"] for record in read_output(tmp_path / "skip")] == ["0", "3"]
+
+
+def test_cli_names_the_file_and_line_of_a_record_the_chat_template_rejects(tiny_target_dir, tmp_path, capsys):
+    """The chat template raises on line 2's record: one line naming data.jsonl:2 and exit status 2, no traceback;
+    `--on-error skip` leaves it out and says why in the summary."""
+    from transformers import AutoTokenizer
+
+    from dflash_trainer import cli
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_target_dir)
+    refusal = "{% if 'w77' in message['content'] %}{{ raise_exception('no w77 here') }}{% endif %}"
+    tokenizer.chat_template = tokenizer.chat_template.replace(
+        "{% for message in messages %}", "{% for message in messages %}" + refusal
+    )
+    tokenizer.save_pretrained(tiny_target_dir)
+    path = tmp_path / "data.jsonl"
+    path.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in ["w1 w2", "w3 w77", "w4"]))
+    base = ["regenerate", "--input", str(path), "--target", str(tiny_target_dir), "--max-new-tokens", "2"]
+    assert cli.main([*base, "--out", str(tmp_path / "a")]) == 2
+    err = capsys.readouterr().err
+    assert err.splitlines()[-1].startswith("error: ") and "Traceback" not in err
+    assert f"{path}:2: record data.jsonl:2: the tokenizer failed on turn 1's prompt: " in err
+    assert "no w77 here" in err
+    assert cli.main([*base, "--out", str(tmp_path / "b"), "--on-error", "skip"]) == 0
+    out = capsys.readouterr().out
+    assert "left out: template_error 1" in out and f"first template_error: {path}:2" in out
+    assert [record["id"] for record in read_output(tmp_path / "b")] == ["data.jsonl:1", "data.jsonl:3"]
+
+
+def test_shard_sample_ids_are_the_records_own_ids(target, tmp_path):
+    """Through regeneration and `prepare`: a prompt set's id (`HumanEval/0`) names its sample, and a record without
+    one is named by its place in the original input, not in the regenerated file."""
+    path = tmp_path / "data.jsonl"
+    path.write_text(json.dumps({"id": "HumanEval/0", "prompt": "w1 w2"}) + "\n" + json.dumps({"prompt": "w3"}) + "\n")
+    regenerate(path, target, tmp_path / "regen", max_new_tokens=MAX_NEW_TOKENS, batch_size=2, progress=False)
+    prepare([tmp_path / "regen" / regen.OUTPUT_FILE], target.tokenizer, target.name, tmp_path / "shards")
+    dataset = load_shards(tmp_path / "shards")
+    assert [dataset[i].id for i in range(len(dataset))] == ["HumanEval/0", "data.jsonl:2"]

@@ -398,7 +398,9 @@ def _prompt_ids(
             except (KeyboardInterrupt, SystemExit):
                 raise
             except BaseException as error:
-                results.append(error if isinstance(error, Exception) else RuntimeError(f"{type(error).__name__}"))
+                results.append(
+                    error if isinstance(error, Exception) else RuntimeError(f"{type(error).__name__}: {error}")
+                )
         return results
 
 
