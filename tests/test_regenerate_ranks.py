@@ -161,3 +161,52 @@ def test_a_killed_rank_resumes_on_two_ranks_or_one_and_the_merge_equals_one_rank
     assert merged["records"] == reference["records"] and merged["dropped"] == reference["dropped"]
     assert not list(two.glob(regen_journal.JOURNAL_GLOB))
     assert "on 2 ranks" in run.stdout and run.stdout.count("regenerated ") == 1  # the first rank reports
+
+
+def _data_step_rank(rank: int, world_size: int, store: str, overrides: list[str]) -> None:
+    """One rank of `train --nproc 2`'s automatic data step (colocated): every rank holds the target."""
+    from dflash_trainer.config import load_config
+    from dflash_trainer.distributed.world import World
+    from dflash_trainer.train.pipeline import ensure_train_data, load_config_target
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world_size)
+    config = load_config(None, overrides)
+    target = load_config_target(config, device="cpu")
+    world = World(rank=rank, world_size=world_size, local_rank=rank, device=torch.device("cpu"), backend="gloo")
+    ensure_train_data(config, target, world=world)
+    dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_the_recipes_data_step_regenerates_on_every_rank(inputs, tiny_target_dir, tmp_path):
+    """Under `train --nproc 2` both ranks answer a share of the prompts, the first merges and tokenises, and the
+    regenerated chats equal those of a one-process data step."""
+    from dflash_trainer.config import load_config
+    from dflash_trainer.train.pipeline import ensure_train_data, load_config_target
+
+    path, _ = inputs
+
+    def overrides(shards: Path) -> list[str]:
+        return [
+            f"target.name_or_path={tiny_target_dir}",
+            "target.device=cpu",
+            f"data.train_shards={shards}",
+            "data.max_seq_len=64",
+            f"prepare.source={path}",
+            "prepare.regenerate=true",
+            f"prepare.max_new_tokens={MAX_NEW_TOKENS}",
+            f"prepare.regenerate_batch_size={BATCH}",
+        ]
+
+    config = load_config(None, overrides(tmp_path / "shards-one"))
+    ensure_train_data(config, load_config_target(config, device="cpu"))
+    args = (2, str(tmp_path / "store"), overrides(tmp_path / "shards-two"))
+    mp.spawn(_data_step_rank, args=args, nprocs=2, join=True)
+    chats = {name: tmp_path / f"shards-{name}-chat" for name in ("one", "two")}
+    assert (chats["two"] / regen_journal.OUTPUT_FILE).read_bytes() == (
+        chats["one"] / regen_journal.OUTPUT_FILE
+    ).read_bytes()
+    summary = json.loads((chats["two"] / regen_journal.SETTINGS_FILE).read_text())["summary"]
+    assert summary["ranks"] == 2 and summary["responses"] > 0
+    assert (tmp_path / "shards-two" / "manifest.json").is_file()
