@@ -143,11 +143,13 @@ class ChatEndpoint:
             connection.close()
         if self.model:
             if names is not None and self.model not in names:
-                raise EndpointError(f"{self.url}: serves {sorted(names)}, not {self.model!r} (prepare.endpoint.model)")
+                raise EndpointError(
+                    f"{self.url}: serves {sorted(names)}, not {self.model!r} (--model, prepare.endpoint.model)"
+                )
             return self.model
         if names is None or len(names) != 1:
             listed = "no list of models" if names is None else f"the models {sorted(names)}"
-            raise EndpointError(f"{self.url}: serves {listed}; name the target's in prepare.endpoint.model")
+            raise EndpointError(f"{self.url}: serves {listed}; name the target's (--model, prepare.endpoint.model)")
         self.model = names[0]
         return self.model
 
@@ -221,7 +223,7 @@ class ChatEndpoint:
                 problem = f"{type(error).__name__}: {error}".rstrip(": ")
         raise EndpointError(
             f"{self.url}: {label}: no answer after {attempts} attempt(s), the last: {problem} (is the server up? "
-            "prepare.endpoint.retries / timeout_s)"
+            "more attempts or time: --retries / --timeout, prepare.endpoint.retries / timeout_s)"
         )
 
 
