@@ -6,7 +6,7 @@ SGLang do), decodes greedily with transformers' `generate` up to `max_tokens` or
 does); `GET /v1/models` lists its one model. Faults on demand: the first `fail_first` attempts of every distinct
 request answer 503, close the connection without an answer (`drop`), or answer after `slow_s` seconds (`slow`);
 requests whose user messages contain `reject_word` get HTTP 400; `reasoning_field` splits the reply's first word off
-into that field, as a reasoning parser would.
+into that field, as a reasoning parser would; `latency_s` delays every answer.
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ class ChatServer:
         slow_s: float = 0.0,
         reject_word: str | None = None,
         reasoning_field: str | None = None,
+        latency_s: float = 0.0,
     ) -> None:
         self.target = target
         self.model = model
@@ -42,6 +43,7 @@ class ChatServer:
         self.slow_s = slow_s
         self.reject_word = reject_word
         self.reasoning_field = reasoning_field
+        self.latency_s = latency_s
         self.attempts: Counter[str] = Counter()  # per distinct request (its messages)
         self.answered: list[list[dict[str, str]]] = []  # the messages of every request answered with a reply
         self.payloads: list[dict[str, Any]] = []
@@ -127,6 +129,7 @@ class ChatServer:
         if self.reject_word and any(self.reject_word in m["content"].split() for m in messages if m["role"] == "user"):
             handler._answer(400, {"object": "error", "message": "prompt too long for this server", "code": 400})
             return
+        time.sleep(self.latency_s)  # a network and queue: requests overlap
         target = self.target
         (prompt,) = generation_prompt_ids(target.tokenizer, [messages])
         with self._model_lock:

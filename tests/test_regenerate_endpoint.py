@@ -57,7 +57,7 @@ def test_server_output_equals_the_engine_in_process(target, tmp_path):
     """Multi-turn records, replies that stop, replies cut at max_new_tokens and an empty reply: byte for byte what
     our engine writes in this process; at most `concurrency` requests were in flight, and more than one."""
     reference = _in_process(target, tmp_path / "engine")
-    with ChatServer(target) as server:
+    with ChatServer(target, latency_s=0.05) as server:
         summary = _through_server(target, server.url, tmp_path / "server")
     written = (tmp_path / "server" / regen_journal.OUTPUT_FILE).read_bytes()
     assert written == (tmp_path / "engine" / regen_journal.OUTPUT_FILE).read_bytes()
@@ -74,16 +74,19 @@ def test_server_output_equals_the_engine_in_process(target, tmp_path):
     assert payload["temperature"] == 0.0 and payload["max_tokens"] == MAX_NEW_TOKENS and "seed" not in payload
 
 
-@pytest.mark.parametrize("fault", ["503", "drop", "slow"])
-def test_failed_attempts_are_retried(target, tmp_path, fault):
-    """The first two attempts of every request fail (HTTP 503, the connection closed without an answer, no answer
-    within the timeout); the third succeeds and the output is as without faults."""
+@pytest.mark.parametrize(
+    ("fault", "fail_first", "timeout_s"),
+    [("503", 2, 600.0), ("drop", 2, 600.0), ("slow", 1, 2.0)],
+)
+def test_failed_attempts_are_retried(target, tmp_path, fault, fail_first, timeout_s):
+    """The first attempts of every request fail (HTTP 503, the connection closed without an answer, no answer within
+    the timeout); the next one succeeds and the output is as without faults."""
     with ChatServer(target) as server:
         _through_server(target, server.url, tmp_path / "clean")
-    with ChatServer(target, fault=fault, fail_first=2, slow_s=1.0) as server:
-        _through_server(target, server.url, tmp_path / "out", endpoint={"retries": 2, "timeout_s": 0.3})
+    with ChatServer(target, fault=fault, fail_first=fail_first, slow_s=2 * timeout_s) as server:
+        _through_server(target, server.url, tmp_path / "out", endpoint={"retries": 2, "timeout_s": timeout_s})
     assert read_output(tmp_path / "out") == read_output(tmp_path / "clean")
-    assert set(server.attempts.values()) == {3}
+    assert set(server.attempts.values()) == {fail_first + 1}
 
 
 def test_a_request_that_keeps_failing_ends_the_run_naming_it(target, tmp_path):
