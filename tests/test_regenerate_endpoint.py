@@ -201,3 +201,47 @@ def test_cli_regenerates_through_a_server(target, tiny_target_dir, tmp_path, cap
     assert "with the server at" in capsys.readouterr().out
     assert cli.main([*base, "--out", str(tmp_path / "x"), "--engine", "openai", "--base-url", "localhost:8000"]) == 2
     assert "--base-url must name the server's http(s) API root" in capsys.readouterr().err
+
+
+def test_the_recipes_data_step_asks_the_server(tiny_target_dir, tmp_path):
+    """`prepare.engine: openai`: the automatic data step regenerates through the server, then tokenises."""
+    from dflash_trainer.config import load_config
+    from dflash_trainer.train.pipeline import ensure_train_data, load_config_target
+
+    path = tmp_path / "prompts.jsonl"
+    path.write_text("".join(json.dumps({"id": f"q{i}", "prompt": f"w{i} w{i + 2}"}) + "\n" for i in range(3)))
+    plain = load_target(str(tiny_target_dir), device="cpu")
+    with ChatServer(plain) as server:
+        config = load_config(
+            None,
+            [
+                f"target.name_or_path={tiny_target_dir}",
+                "target.device=cpu",
+                f"data.train_shards={tmp_path / 'shards'}",
+                f"prepare.source={path}",
+                "prepare.regenerate=true",
+                "prepare.max_new_tokens=4",
+                "prepare.engine=openai",
+                f"prepare.endpoint.base_url={server.url}",
+            ],
+        )
+        ensure_train_data(config, load_config_target(config, device="cpu"))
+        assert len(server.answered) == 3
+    dataset = load_shards(tmp_path / "shards")
+    assert sorted(dataset[i].id for i in range(len(dataset))) == ["q0", "q1", "q2"]
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("prepare.engine=openai", r"prepare\.endpoint\.base_url: must name the server"),
+        ("prepare.endpoint.base_url=localhost:8000", r"prepare\.endpoint\.base_url: must start with http"),
+        ("prepare.endpoint.concurrency=0", r"prepare\.endpoint\.concurrency: must be >= 1"),
+        ("prepare.endpoint.timeout_s=0", r"prepare\.endpoint\.timeout_s: must be > 0"),
+    ],
+)
+def test_bad_endpoint_settings_are_refused_naming_the_key(override, message):
+    from dflash_trainer.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match=message):
+        load_config(None, [override])
