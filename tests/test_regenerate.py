@@ -4,45 +4,27 @@ attention) target through the engine."""
 
 from __future__ import annotations
 
-import dataclasses
 import json
-from pathlib import Path
 
 import pytest
-import torch
 
 from decoding_helpers import cpu_target, one_thread  # noqa: F401 (one_thread: autouse fixture)
 from dflash_trainer.data.chat import generation_prompt_ids, tokenize_conversation
 from dflash_trainer.data.prepare import prepare
 from dflash_trainer.data.shards import load_shards
 from dflash_trainer.decoding.batch import BatchDecoder
+from dflash_trainer.targets import regen_journal
 from dflash_trainer.targets import regenerate as regen
 from dflash_trainer.targets.loader import LoadedTarget, load_target
 from dflash_trainer.targets.regenerate import RegenerateError, cut_at_stop, regenerate
-
-MAX_NEW_TOKENS = 5
-
-CONVERSATIONS = [
-    [{"role": "user", "content": "w1 w2 w3"}],
-    {
-        "messages": [
-            {"role": "system", "content": "w5"},
-            {"role": "user", "content": "w9 w10"},
-            {"role": "assistant", "content": "w3"},
-        ]
-    },
-    {
-        "id": "multi",
-        "messages": [
-            {"role": "user", "content": "w1"},
-            {"role": "assistant", "content": "w2"},
-            {"role": "user", "content": "w3 w4 w5 w6"},
-            {"role": "assistant", "content": "w2"},
-        ],
-    },
-    [{"role": "user", "content": "w40 w41 w42 w43 w44 w45 w46"}],
-    [{"role": "user", "content": "w7"}, {"role": "assistant", "content": "w8"}, {"role": "user", "content": "w11"}],
-]
+from regen_helpers import (
+    CONVERSATIONS,
+    MAX_NEW_TOKENS,
+    expected_conversation,
+    messages_of,
+    read_output,
+    stopping_target_of,
+)
 
 
 @pytest.fixture
@@ -50,76 +32,15 @@ def target(tiny_target_dir) -> LoadedTarget:
     return load_target(str(tiny_target_dir), device="cpu")
 
 
-def _greedy_reply(target: LoadedTarget, messages: list[dict]) -> tuple[str, list[int], bool]:
-    """Reference: one prompt alone through `generate`; (reply text, new ids, whether a stop token ended it)."""
-    text = target.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    prompt = torch.tensor([target.tokenizer(text, add_special_tokens=False)["input_ids"]])
-    with torch.no_grad():
-        output = target.model.generate(
-            input_ids=prompt,
-            attention_mask=torch.ones_like(prompt),
-            max_new_tokens=MAX_NEW_TOKENS,
-            do_sample=False,
-            eos_token_id=target.stop_token_ids,
-            pad_token_id=target.tokenizer.pad_token_id,
-        )
-    new_ids = output[0, prompt.shape[1] :].tolist()
-    reply_ids, stopped = cut_at_stop(new_ids, target.stop_token_ids)
-    return target.tokenizer.decode(reply_ids, skip_special_tokens=False), new_ids, stopped
-
-
-def _expected_conversation(target: LoadedTarget, messages: list[dict]) -> list[dict] | None:
-    """Each assistant turn (and one after a final user turn) replaced in order; a reply cut at max_new_tokens
-    is marked truncated and ends the conversation; None when a reply is empty."""
-    history: list[dict] = []
-    turns = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
-    if messages[-1]["role"] != "assistant":
-        turns.append(len(messages))
-    for index in range(len(messages) + 1):
-        if index in turns:
-            reply, _, stopped = _greedy_reply(target, history)
-            if not reply.strip():
-                return None
-            history.append({"role": "assistant", "content": reply, **({} if stopped else {"truncated": True})})
-            if not stopped:
-                return history
-        elif index < len(messages):
-            history.append(dict(messages[index]))
-    return history
-
-
-def _messages(item) -> list[dict]:
-    return item["messages"] if isinstance(item, dict) else item
-
-
-def _read_output(out_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (out_dir / regen.OUTPUT_FILE).read_text().splitlines()]
+@pytest.fixture
+def stopping_target(target) -> LoadedTarget:
+    return stopping_target_of(target)
 
 
 def test_cut_at_stop():
     assert cut_at_stop([5, 6, 2, 7, 2], [2]) == ([5, 6], True)
     assert cut_at_stop([5, 6, 7], [2, 9]) == ([5, 6, 7], False)
     assert cut_at_stop([9], [2, 9]) == ([], True)
-
-
-def _first_new_token_index(ids: list[int]) -> int | None:
-    """The first position k >= 1 whose token did not occur before it (random tiny models repeat a lot)."""
-    return next((k for k in range(1, len(ids)) if ids[k] not in ids[:k]), None)
-
-
-@pytest.fixture
-def stopping_target(target) -> LoadedTarget:
-    """Extra stop ids so that, with a random model, one record's reply is empty (it is left out) and other
-    replies stop midway: the first token of conversation 3's reply, and a later token of another reply."""
-    empty_stop = _greedy_reply(target, _messages(CONVERSATIONS[3]))[1][0]
-    for item in CONVERSATIONS[:3]:
-        messages = _messages(item)
-        first_turn = next((i for i, m in enumerate(messages) if m["role"] == "assistant"), len(messages))
-        _, new_ids, _ = _greedy_reply(target, messages[:first_turn])
-        k = _first_new_token_index(new_ids)
-        if new_ids[0] != empty_stop and k is not None and empty_stop not in new_ids[:k]:
-            return dataclasses.replace(target, stop_token_ids=[*target.stop_token_ids, empty_stop, new_ids[k]])
-    raise AssertionError("no reply to stop midway")
 
 
 @pytest.mark.parametrize("engine", ["engine", "hf"])
@@ -138,11 +59,11 @@ def test_replies_are_exactly_the_targets_greedy_replies(stopping_target, tmp_pat
     expected = {}
     for index, item in enumerate(CONVERSATIONS):
         record_id = item.get("id", str(index)) if isinstance(item, dict) else str(index)
-        expected[record_id] = _expected_conversation(target, _messages(item))
+        expected[record_id] = expected_conversation(target, messages_of(item))
     assert expected["3"] is None
     replies = [m for c in expected.values() if c for m in c if m["role"] == "assistant"]
     assert {"truncated" in m for m in replies} == {True, False}  # some replies stopped, some were cut
-    written = _read_output(tmp_path / "out")
+    written = read_output(tmp_path / "out")
     assert [r["id"] for r in written] == [key for key, value in expected.items() if value is not None]
     assert [r["index"] for r in written] == [i for i, value in enumerate(expected.values()) if value is not None]
     for record in written:
@@ -150,13 +71,13 @@ def test_replies_are_exactly_the_targets_greedy_replies(stopping_target, tmp_pat
     assert summary.records == len(written)
     assert summary.dropped == {"empty_reply": len(expected) - len(written)}
     assert summary.truncated == sum("truncated" in m for m in replies)
-    assert not (tmp_path / "out" / regen.JOURNAL_FILE).exists()
+    assert not (tmp_path / "out" / regen_journal.JOURNAL_FILE).exists()
 
 
 def test_prompt_batches_change_nothing(stopping_target, tmp_path, monkeypatch):
     """First-turn prompts are tokenised in batches of PROMPT_BATCH: batches of 2 (boundaries inside the list, a
     too-long prompt among them) write what one batch writes, and each prompt is what it is tokenised alone."""
-    prefixes = [m[: regen._assistant_slots(m)[0]] for m in map(_messages, CONVERSATIONS)]
+    prefixes = [m[: regen._assistant_slots(m)[0]] for m in map(messages_of, CONVERSATIONS)]
     tokenizer = stopping_target.tokenizer
     alone = [generation_prompt_ids(tokenizer, [messages])[0] for messages in prefixes]
     assert generation_prompt_ids(tokenizer, prefixes) == alone
@@ -165,7 +86,7 @@ def test_prompt_batches_change_nothing(stopping_target, tmp_path, monkeypatch):
     whole = regenerate(CONVERSATIONS, stopping_target, tmp_path / "whole", **settings)
     monkeypatch.setattr(regen, "PROMPT_BATCH", 2)
     pairs = regenerate(CONVERSATIONS, stopping_target, tmp_path / "pairs", **settings)
-    assert _read_output(tmp_path / "pairs") == _read_output(tmp_path / "whole")
+    assert read_output(tmp_path / "pairs") == read_output(tmp_path / "whole")
     assert pairs.dropped == whole.dropped and whole.dropped["prompt_too_long"] >= 1
 
 
@@ -178,7 +99,7 @@ def test_multi_turn_chains_are_served_before_single_turn_prompts(target, tmp_pat
     reply = [*target.tokenizer("w5", add_special_tokens=False)["input_ids"], target.stop_token_ids[0]]
     served: list[tuple[int, int]] = []
 
-    class OneRow(regen._EngineGenerator):
+    class OneRow(regen.Engine):
         name = "one row"
 
         def generate(self, queue):
@@ -187,7 +108,7 @@ def test_multi_turn_chains_are_served_before_single_turn_prompts(target, tmp_pat
                 served.append(request.key)
                 yield Completion(request.key, reply, stopped=True)
 
-    monkeypatch.setattr(regen, "_make_engine", lambda *args, **kwargs: OneRow())
+    monkeypatch.setattr(regen, "make_engine", lambda *args, **kwargs: OneRow())
     three_turns = [
         {"role": "user", "content": "w1"},
         {"role": "assistant", "content": "w2"},
@@ -201,11 +122,12 @@ def test_multi_turn_chains_are_served_before_single_turn_prompts(target, tmp_pat
     chains, singles = served[:7], served[7:]
     assert chains[0] == (5, 0) and sorted(chains) == [(2, 0), (2, 1), (4, 0), (4, 1), (5, 0), (5, 1), (5, 2)]
     first_prompts = {
-        index: _messages(records[index])[: regen._assistant_slots(_messages(records[index]))[0]] for index in (0, 1, 3)
+        index: messages_of(records[index])[: regen._assistant_slots(messages_of(records[index]))[0]]
+        for index in (0, 1, 3)
     }
     lengths = {index: len(generation_prompt_ids(target.tokenizer, [p])[0]) for index, p in first_prompts.items()}
     assert [index for index, _ in singles] == sorted((0, 1, 3), key=lambda index: lengths[index])
-    assert all(turn["content"] == "w5" for turn in _read_output(tmp_path / "out")[5]["messages"][1::2])
+    assert all(turn["content"] == "w5" for turn in read_output(tmp_path / "out")[5]["messages"][1::2])
 
 
 def test_progress_in_a_log_is_not_redrawn_per_reply(stopping_target, tmp_path, capsys):
@@ -228,7 +150,7 @@ def test_cut_replies_are_dropped_on_request(stopping_target, tmp_path):
         progress=False,
         truncated="drop",
     )
-    written = _read_output(tmp_path / "out")
+    written = read_output(tmp_path / "out")
     assert written and all("truncated" not in m for r in written for m in r["messages"])
     assert summary.dropped["truncated"] == summary.truncated > 0
     assert summary.records + sum(summary.dropped.values()) == len(CONVERSATIONS)
@@ -246,7 +168,7 @@ def test_a_cut_turn_ends_the_conversation_and_trains_without_end_of_turn(target,
         ]
     }
     summary = regenerate([record], target, tmp_path / "out", max_new_tokens=2, batch_size=2, progress=False)
-    (written,) = _read_output(tmp_path / "out")
+    (written,) = read_output(tmp_path / "out")
     messages = written["messages"]
     assert summary.responses == 1 and summary.truncated == 1
     assert [m["role"] for m in messages] == ["user", "assistant"] and messages[1]["truncated"] is True
@@ -273,7 +195,7 @@ def test_killed_run_resumes_and_writes_what_an_uninterrupted_run_writes(target, 
     settings = dict(max_new_tokens=MAX_NEW_TOKENS, batch_size=3, temperature=temperature, progress=False)
     regenerate(records, target, tmp_path / "reference", **settings)
 
-    original_write = regen._Journal.write
+    original_write = regen_journal.Journal.write
     written = []
 
     def crash_after_three(self, entry):
@@ -282,12 +204,12 @@ def test_killed_run_resumes_and_writes_what_an_uninterrupted_run_writes(target, 
         written.append(entry["index"])
         original_write(self, entry)
 
-    monkeypatch.setattr(regen._Journal, "write", crash_after_three)
+    monkeypatch.setattr(regen_journal.Journal, "write", crash_after_three)
     with pytest.raises(_Crash):
         regenerate(records, target, tmp_path / "out", **settings)
-    monkeypatch.setattr(regen._Journal, "write", original_write)
+    monkeypatch.setattr(regen_journal.Journal, "write", original_write)
     assert not (tmp_path / "out" / regen.OUTPUT_FILE).exists()
-    with (tmp_path / "out" / regen.JOURNAL_FILE).open("a") as f:
+    with (tmp_path / "out" / regen_journal.JOURNAL_FILE).open("a") as f:
         f.write('{"index": 6, "id": "6", "mess')  # a write cut short by the kill
 
     prompts = []
@@ -302,7 +224,7 @@ def test_killed_run_resumes_and_writes_what_an_uninterrupted_run_writes(target, 
 
     assert sorted(index for index, _ in prompts) == sorted(set(range(7)) - set(written))
     assert summary.resumed_records == 3 and summary.records == 7
-    assert _read_output(tmp_path / "out") == _read_output(tmp_path / "reference")
+    assert read_output(tmp_path / "out") == read_output(tmp_path / "reference")
     assert json.loads((tmp_path / "out" / regen.SETTINGS_FILE).read_text())["complete"] is True
     # A finished directory is not regenerated again.
     prompts.clear()
@@ -329,7 +251,7 @@ def test_long_prompts_are_left_out_and_counted(target, tmp_path):
     summary = regenerate(
         records, target, tmp_path / "out", max_new_tokens=2, batch_size=2, progress=False, max_prompt_tokens=20
     )
-    assert summary.dropped == {"prompt_too_long": 1} and [r["index"] for r in _read_output(tmp_path / "out")] == [0]
+    assert summary.dropped == {"prompt_too_long": 1} and [r["index"] for r in read_output(tmp_path / "out")] == [0]
 
 
 def test_hybrid_target_regenerates_through_the_engine(tiny_qwen3_5, tiny_chat_tokenizer, tmp_path):
@@ -340,8 +262,8 @@ def test_hybrid_target_regenerates_through_the_engine(tiny_qwen3_5, tiny_chat_to
         CONVERSATIONS, target, tmp_path / "out", max_new_tokens=MAX_NEW_TOKENS, batch_size=2, progress=False
     )
     assert summary.engine == "the decoding engine"
-    expected = [_expected_conversation(target, _messages(item)) for item in CONVERSATIONS]
-    written = _read_output(tmp_path / "out")
+    expected = [expected_conversation(target, messages_of(item)) for item in CONVERSATIONS]
+    written = read_output(tmp_path / "out")
     assert [record["index"] for record in written] == [i for i, value in enumerate(expected) if value is not None]
     assert [record["messages"] for record in written] == [value for value in expected if value is not None]
 
@@ -355,7 +277,7 @@ def test_jsonl_input_layouts_and_errors(target, tmp_path):
     ]
     path.write_text("".join(json.dumps(line) + "\n" for line in lines))
     summary = regenerate(path, target, tmp_path / "out", max_new_tokens=2, batch_size=4, progress=False, limit=2)
-    written = _read_output(tmp_path / "out")
+    written = read_output(tmp_path / "out")
     assert [r["id"] for r in written] == ["data.jsonl:1", "sharegpt-7"]
     assert written[1]["messages"][0] == {"role": "user", "content": "w3"}
     assert written[1]["messages"][1]["content"] != "w4"
@@ -369,3 +291,97 @@ def test_jsonl_input_layouts_and_errors(target, tmp_path):
         path.write_text(json.dumps({"messages": messages}) + "\n")
         with pytest.raises(RegenerateError, match=r"data\.jsonl:1: the conversation has no user turn"):
             regenerate(path, target, tmp_path / "out3", max_new_tokens=2, batch_size=4, progress=False)
+
+
+# ---------------------------------------------------------------------------------------------- bad records
+
+
+def _failing_on(word: str, tokenizer):
+    """The tokenizer's `__call__`, raising as a Rust panic would (pyo3's PanicException is a BaseException) on any
+    text that holds `word`."""
+    original = type(tokenizer).__call__
+
+    def call(self, text, *args, **kwargs):
+        texts = [text] if isinstance(text, str) else text
+        if any(word in t for t in texts):
+            raise BaseException(f"tokenizer panicked on {word}")
+        return original(self, text, *args, **kwargs)
+
+    return call
+
+
+def test_a_record_the_tokenizer_fails_on_is_named_or_skipped(target, tmp_path, monkeypatch):
+    """Record 1's first prompt and record 2's second-turn prompt (after its first reply) make the tokenizer fail:
+    the run stops naming the first (`on_error="raise"`), or leaves both out and counts them (`skip`)."""
+    records = [
+        [{"role": "user", "content": "w1 w2"}],
+        {"id": "bad-first", "messages": [{"role": "user", "content": "w3 w77"}]},
+        {
+            "id": "bad-second",
+            "messages": [
+                {"role": "user", "content": "w4"},
+                {"role": "assistant", "content": "w5"},
+                {"role": "user", "content": "w77 w6"},
+            ],
+        },
+        [{"role": "user", "content": "w8 w9"}],
+    ]
+    from dflash_trainer.decoding.batch import Completion
+
+    reply = [*target.tokenizer("w5", add_special_tokens=False)["input_ids"], target.stop_token_ids[0]]
+
+    class Answering(regen.Engine):  # every turn answered "w5", so that record 2 reaches its second turn
+        name = "answering"
+
+        def generate(self, queue):
+            while queue:
+                (request,) = queue.pop(1)
+                yield Completion(request.key, reply, stopped=True)
+
+    monkeypatch.setattr(regen, "make_engine", lambda *args, **kwargs: Answering())
+    monkeypatch.setattr(type(target.tokenizer), "__call__", _failing_on("w77", target.tokenizer))
+    settings = dict(max_new_tokens=MAX_NEW_TOKENS, batch_size=2, progress=False)
+    with pytest.raises(RegenerateError, match=r"^records\[1\]: record bad-first: the tokenizer failed on turn 1"):
+        regenerate(records, target, tmp_path / "raise", **settings)
+    summary = regenerate(records, target, tmp_path / "skip", on_error="skip", **settings)
+    assert summary.dropped["tokenizer_error"] == 2
+    assert "tokenizer panicked on w77" in summary.examples["tokenizer_error"]
+    assert [record["id"] for record in read_output(tmp_path / "skip")] == ["0", "3"]
+
+
+def test_cli_names_the_file_and_line_of_a_record_the_chat_template_rejects(tiny_target_dir, tmp_path, capsys):
+    """The chat template raises on line 2's record: one line naming data.jsonl:2 and exit status 2, no traceback;
+    `--on-error skip` leaves it out and says why in the summary."""
+    from transformers import AutoTokenizer
+
+    from dflash_trainer import cli
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_target_dir)
+    refusal = "{% if 'w77' in message['content'] %}{{ raise_exception('no w77 here') }}{% endif %}"
+    tokenizer.chat_template = tokenizer.chat_template.replace(
+        "{% for message in messages %}", "{% for message in messages %}" + refusal
+    )
+    tokenizer.save_pretrained(tiny_target_dir)
+    path = tmp_path / "data.jsonl"
+    path.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in ["w1 w2", "w3 w77", "w4"]))
+    base = ["regenerate", "--input", str(path), "--target", str(tiny_target_dir), "--max-new-tokens", "2"]
+    assert cli.main([*base, "--out", str(tmp_path / "a")]) == 2
+    err = capsys.readouterr().err
+    assert err.splitlines()[-1].startswith("error: ") and "Traceback" not in err
+    assert f"{path}:2: record data.jsonl:2: the tokenizer failed on turn 1's prompt: " in err
+    assert "no w77 here" in err
+    assert cli.main([*base, "--out", str(tmp_path / "b"), "--on-error", "skip"]) == 0
+    out = capsys.readouterr().out
+    assert "left out: template_error 1" in out and f"first template_error: {path}:2" in out
+    assert [record["id"] for record in read_output(tmp_path / "b")] == ["data.jsonl:1", "data.jsonl:3"]
+
+
+def test_shard_sample_ids_are_the_records_own_ids(target, tmp_path):
+    """Through regeneration and `prepare`: a prompt set's id (`HumanEval/0`) names its sample, and a record without
+    one is named by its place in the original input, not in the regenerated file."""
+    path = tmp_path / "data.jsonl"
+    path.write_text(json.dumps({"id": "HumanEval/0", "prompt": "w1 w2"}) + "\n" + json.dumps({"prompt": "w3"}) + "\n")
+    regenerate(path, target, tmp_path / "regen", max_new_tokens=MAX_NEW_TOKENS, batch_size=2, progress=False)
+    prepare([tmp_path / "regen" / regen.OUTPUT_FILE], target.tokenizer, target.name, tmp_path / "shards")
+    dataset = load_shards(tmp_path / "shards")
+    assert [dataset[i].id for i in range(len(dataset))] == ["HumanEval/0", "data.jsonl:2"]

@@ -133,18 +133,62 @@ def cmd_prepare(args: argparse.Namespace) -> int:
 
 
 def cmd_regenerate(args: argparse.Namespace) -> int:
+    from .config import EndpointConfig
+
+    endpoint = None
+    if args.engine == "openai":
+        if not args.base_url.startswith(("http://", "https://")):
+            raise UserError(
+                f"regenerate --engine openai: --base-url must name the server's http(s) API root, e.g. "
+                f"http://localhost:8000/v1 (got {args.base_url!r})"
+            )
+        endpoint = EndpointConfig(
+            base_url=args.base_url,
+            model=args.model,
+            concurrency=args.concurrency,
+            retries=args.retries,
+            timeout_s=args.timeout,
+        )
+    elif args.base_url or args.model:
+        raise UserError("regenerate: --base-url and --model are for --engine openai")
+    if args.nproc > 1 and "LOCAL_RANK" not in os.environ:
+        from .launch import run_torchrun
+
+        check_local_ranks(args.nproc, args.engine)
+        return run_torchrun(args.nproc, without_option(args.argv, "--nproc"))
+    from .launch import run_rank
     from .train.pipeline import regenerate_command
 
-    regenerate_command(
-        source=args.input,
-        target=args.target,
-        out_dir=args.out,
-        max_new_tokens=args.max_new_tokens,
-        batch_size=args.batch_size,
-        temperature=args.temperature,
-        limit=args.limit,
+    return run_rank(
+        lambda world: regenerate_command(
+            source=args.input,
+            target=args.target,
+            out_dir=args.out,
+            max_new_tokens=args.max_new_tokens,
+            batch_size=args.batch_size,
+            temperature=args.temperature,
+            limit=args.limit,
+            engine=args.engine,
+            endpoint=endpoint,
+            on_error=args.on_error,
+            world=world,
+        ),
+        # A server answers: this process needs no GPU (the server's may all be taken).
+        device="cpu" if args.engine == "openai" else "auto",
     )
-    return 0
+
+
+def check_local_ranks(nproc: int, engine: str) -> None:
+    """`regenerate --nproc N`: one rank per local GPU, each running the target; refused before torchrun starts."""
+    import torch
+
+    if engine == "openai":
+        raise UserError(
+            "regenerate --nproc: with --engine openai the server answers every request; raise --concurrency instead"
+        )
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if gpus and nproc > gpus:
+        raise UserError(f"regenerate --nproc {nproc}: this machine has {gpus} GPU(s); one rank runs on each")
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
@@ -248,6 +292,17 @@ def temperature(text: str) -> float:
     return value
 
 
+def positive_seconds(text: str) -> float:
+    """An argparse type: a finite number of seconds > 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds, got {text!r}") from None
+    if not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text}")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="dflash-trainer", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -285,6 +340,26 @@ def build_parser() -> argparse.ArgumentParser:
     regen.add_argument("--batch-size", type=count_from(1), default=16)
     regen.add_argument("--temperature", type=temperature, default=0.0)
     regen.add_argument("--limit", type=count_from(1), default=None)
+    regen.add_argument(
+        "--on-error",
+        choices=["raise", "skip"],
+        default="raise",
+        help="a record the tokenizer or the server fails on: stop naming it, or leave it out and count it",
+    )
+    regen.add_argument("--nproc", type=count_from(0), default=0, help="share the records among N local GPUs")
+    regen.add_argument(
+        "--engine",
+        choices=["auto", "engine", "hf", "vllm", "openai"],
+        default="auto",
+        help="who answers: our decoding engine (auto), transformers generate, vLLM in-process, or a server (openai)",
+    )
+    regen.add_argument(
+        "--base-url", default="", help="--engine openai: the server's API root, e.g. http://HOST:8000/v1"
+    )
+    regen.add_argument("--model", default="", help="--engine openai: the served model name (default: the only one)")
+    regen.add_argument("--concurrency", type=count_from(1), default=64, help="--engine openai: requests in flight")
+    regen.add_argument("--retries", type=count_from(0), default=5, help="--engine openai: retries of a failed request")
+    regen.add_argument("--timeout", type=positive_seconds, default=600.0, help="--engine openai: seconds per request")
     regen.set_defaults(run=cmd_regenerate)
 
     evaluate = sub.add_parser("eval", help="speculative decoding: tau, speedup, lossless check")

@@ -349,6 +349,35 @@ class EvalConfig:
 
 
 @dataclass
+class EndpointConfig:
+    """An OpenAI-compatible server (vLLM, SGLang) serving the target, for `prepare.engine: openai`."""
+
+    # The API root, e.g. http://localhost:8000/v1 (`/chat/completions` is appended).
+    base_url: str = ""
+    # The served model's name; empty: the one model the server lists at `/models`.
+    model: str = ""
+    # Requests in flight at once (the server batches them).
+    concurrency: int = 64
+    # Further attempts of a request after a connection error, a timeout or HTTP 408/429/5xx.
+    retries: int = 5
+    # Seconds before the first retry, doubled for each further one (at most 60).
+    backoff_s: float = 1.0
+    # Seconds a request may wait for its answer before it counts as failed.
+    timeout_s: float = 600.0
+
+    def validate(self) -> None:
+        _require(
+            not self.base_url or self.base_url.startswith(("http://", "https://")),
+            "prepare.endpoint.base_url",
+            f"must start with http:// or https://, got {self.base_url!r}",
+        )
+        _require(self.concurrency >= 1, "prepare.endpoint.concurrency", "must be >= 1")
+        _require(self.retries >= 0, "prepare.endpoint.retries", "must be >= 0")
+        _require(self.backoff_s >= 0, "prepare.endpoint.backoff_s", "must be >= 0")
+        _require(self.timeout_s > 0, "prepare.endpoint.timeout_s", "must be > 0")
+
+
+@dataclass
 class PrepareConfig:
     # Prompt source for the recipe's automatic data step: a prompt-set name or a chat JSONL path.
     source: str = ""
@@ -358,11 +387,20 @@ class PrepareConfig:
     regenerate_batch_size: int = 16
     limit: int | None = None
     keep_reasoning: bool = False
+    # Who answers the prompts: `auto` (vLLM in-process when installed, else our decoding engine), `engine`, `hf`
+    # (transformers generate), `vllm`, or `openai` (a server at `endpoint.base_url`; the run's GPUs stay free).
+    engine: Literal["auto", "engine", "hf", "vllm", "openai"] = "auto"
+    endpoint: EndpointConfig = field(default_factory=EndpointConfig)
 
     def validate(self) -> None:
         _require(self.max_new_tokens >= 1, "prepare.max_new_tokens", "must be >= 1")
         _require(self.regenerate_batch_size >= 1, "prepare.regenerate_batch_size", "must be >= 1")
         _require(self.limit is None or self.limit >= 1, "prepare.limit", "must be >= 1")
+        _require(
+            self.engine != "openai" or bool(self.endpoint.base_url),
+            "prepare.endpoint.base_url",
+            "must name the server for prepare.engine=openai (e.g. http://localhost:8000/v1)",
+        )
         problem = _held_out_source_problem(self.source)
         _require(problem is None, "prepare.source", problem or "")
 

@@ -14,6 +14,7 @@ the ranks behind). torchrun gives the ranks its shutdown timeout (30 s,
 `--shutdown-timeout` / TORCH_ELASTIC_SHUTDOWN_TIMEOUT) to finish the step and write the checkpoint before it
 kills them; raise it for drafters whose checkpoint takes longer. torchrun reports its own stop signal as a
 failure (exit status 1 and a SignalException traceback) even when every rank stopped cleanly.
+`regenerate --nproc N` starts its ranks the same way; each runs `run_rank`.
 
 Several machines: run torchrun on each with the usual rendezvous, e.g.
     torchrun --nnodes 2 --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint HOST0:29400 --rdzv-id JOB \\
@@ -26,9 +27,17 @@ import os
 import signal
 import subprocess
 import sys
+from collections.abc import Callable
 from types import FrameType
+from typing import TYPE_CHECKING
 
 from .config import RunConfig
+
+if TYPE_CHECKING:
+    from .distributed.world import World
+
+# Collective timeout of the process group of `run_rank` (the jobs' long waits use groups of their own).
+RANK_TIMEOUT_S = 120.0
 
 
 class StopFlag:
@@ -113,6 +122,20 @@ def run_torchrun(nproc: int, argv: list[str]) -> int:
             flush=True,
         )
     return status
+
+
+def run_rank(main: Callable[[World], object], *, device: str = "auto") -> int:
+    """One rank of a job other than training (`regenerate --nproc N`), or the only process: the process group and
+    failure propagation as for training. Stop signals interrupt at once (KeyboardInterrupt): such jobs resume from
+    what they wrote when rerun."""
+    from .distributed.failure import FailureChannel
+    from .distributed.world import init_world, shutdown_world
+
+    world = init_world(device, timeout_s=RANK_TIMEOUT_S)
+    failures = FailureChannel.connect(world, label=f"rank {world.rank}")
+    failures.run(lambda: main(world))
+    shutdown_world(world)
+    return 0
 
 
 def train_rank(config: RunConfig) -> int:

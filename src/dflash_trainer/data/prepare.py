@@ -1,7 +1,9 @@
 """Chat data -> token shards: read records, normalise, tokenise with loss masks, filter, write atomically.
 
 Inputs are JSONL files (one chat record per line, see `chat.normalize_record` for the accepted layouts) or
-directories written by `datasets.Dataset.save_to_disk` (the `datasets` package is imported only then).
+directories written by `datasets.Dataset.save_to_disk` (the `datasets` package is imported only then). A sample's
+id is its record's own `id` when it has one (a prompt set's `HumanEval/0`, which regeneration keeps), else
+`FILE:LINE` (the row number for a datasets directory).
 
 Filters, each counted in the summary:
 - `duplicate`: the same conversation (after the reasoning policy) seen before in any input;
@@ -255,7 +257,7 @@ def prepare(
             elif num_loss_tokens < min_loss_tokens:
                 dropped["too_few_loss_tokens"] += 1
             else:
-                writer.add(f"{label}:{line_no}", input_ids, loss_mask)
+                writer.add(record_ids.get(line_no) or f"{label}:{line_no}", input_ids, loss_mask)
                 summary.samples += 1
                 summary.tokens += len(input_ids)
                 summary.loss_tokens += num_loss_tokens
@@ -292,6 +294,9 @@ def prepare(
         # (line, what is pending there), tokenised and handled in batches; see `Pending`. One list for the run:
         # the reader's callback appends unreadable lines to it.
         pending: list[tuple[int, Pending]] = []
+        # The records' own ids (`HumanEval/0`, a regenerated record's source) by line of the pending ones: the
+        # sample ids; FILE:LINE for a record without one.
+        record_ids: dict[int, str] = {}
 
         def queue_unreadable(problem: PrepareError) -> None:
             pending.append((problem.line or 0, problem))
@@ -299,6 +304,9 @@ def prepare(
         for path, label in zip(paths, labels, strict=True):
             records = read_chat_records(path, on_invalid=queue_unreadable)
             for line_no, record in records:
+                record_id = record.get("id") if isinstance(record, Mapping) else None
+                if isinstance(record_id, (str, int)) and not isinstance(record_id, bool) and str(record_id):
+                    record_ids[line_no] = str(record_id)
                 try:
                     messages = normalize_record(record)
                     key = _conversation_key(messages, keep_reasoning=keep_reasoning) if dedup else None
@@ -313,11 +321,13 @@ def prepare(
                 if len(pending) >= TOKENIZE_BATCH:
                     done = flush(path, label, pending)
                     pending.clear()
+                    record_ids.clear()
                     if done:
                         break
             if not done and pending:
                 done = flush(path, label, pending)
             pending.clear()
+            record_ids.clear()
             if done:
                 break
         summary.dropped = dict(dropped)

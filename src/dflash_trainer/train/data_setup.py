@@ -2,20 +2,61 @@
 
 Shared by the trainer (colocated ranks, disaggregated drafter ranks) and the disaggregated target ranks, so
 that both sides of a transfer build the same batch list from the same settings.
+
+Also the regeneration of the recipe's automatic data step (`regenerate_for_training`), which runs before any of
+that: under `train --nproc N` (colocated) every rank holds the target, so every rank answers a share of the
+prompts (`targets/regen_ranks.py`) instead of N-1 ranks waiting for the first; the first rank merges the shares
+and tokenises, the others wait for the shards. With a server as the engine (`prepare.engine: openai`) the first
+rank alone sends the requests: the server, not the ranks, does the work.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
 from ..config import RunConfig
 from ..data.sampler import BatchPlan, TokenBudgetSampler, collate
 from ..data.shards import TokenDataset, load_shards
+from ..distributed.world import World
 from ..model.attention import MaskVariant
 from ..targets.loader import LoadedTarget
+from ..targets.regen_ranks import RegenTeam
+from ..targets.regenerate import RegenerateSummary, regenerate
 from .batch import TrainBatch, make_train_batch
+
+
+def regenerate_for_training(
+    records: str | list[dict], target: LoadedTarget, out_dir: Path, config: RunConfig, world: World | None = None
+) -> RegenerateSummary | None:
+    """The recipe's regeneration on this rank: a share of `records` on every rank of `world` (the target runs in
+    these processes), or everything on the first rank (alone, or a server answers). Collective over `world` when
+    the ranks share. The whole run's summary on the first rank; this rank's part elsewhere, None if it takes none."""
+    prepare = config.prepare
+    shared = world is not None and world.distributed and prepare.engine != "openai"
+    if world is not None and not world.is_main and not shared:
+        return None
+    team = RegenTeam.of() if shared else RegenTeam()
+    try:
+        return regenerate(
+            records,
+            target,
+            out_dir,
+            max_new_tokens=prepare.max_new_tokens,
+            batch_size=prepare.regenerate_batch_size,
+            limit=prepare.limit,
+            # A prompt longer than the longest training sample could never be trained on.
+            max_prompt_tokens=config.data.max_seq_len,
+            engine=prepare.engine,
+            endpoint=prepare.endpoint,
+            # As the tokenising step after it: one odd record must not end a run over many.
+            on_error="skip",
+            team=team,
+        )
+    finally:
+        team.close()
 
 
 @dataclass

@@ -13,8 +13,9 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from transformers import PreTrainedTokenizerBase
 
-from ..config import ConfigError, RunConfig, config_from_dict
+from ..config import ConfigError, EndpointConfig, RunConfig, config_from_dict
 from ..data.prepare import prepare
 from ..data.prompts import check_prompt_set_name, load_prompt_set, split_set_name
 from ..data.shards import check_shards_tokenizer
@@ -22,6 +23,7 @@ from ..distributed.world import World, init_world, shutdown_world
 from ..errors import UserError, refuse_file_as_directory
 from ..targets.loader import LoadedTarget, load_target, quantize_target_to_fp8
 from . import checkpoint as ckpt
+from .data_setup import regenerate_for_training
 from .trainer import Trainer, TrainSummary, drafter_model_config
 
 
@@ -56,28 +58,27 @@ def regeneration_records(source: str, limit: int | None) -> str | list[dict]:
     return [{"id": p.id, "messages": list(p.messages)} for p in load_prompt_set(name, split=split, limit=limit)]
 
 
-def regenerated_chats(source: str, target: LoadedTarget, out_dir: Path, config: RunConfig) -> list[Path]:
-    from ..targets.regenerate import regenerate
-
-    summary = regenerate(
-        regeneration_records(source, config.prepare.limit),
-        target,
-        out_dir,
-        max_new_tokens=config.prepare.max_new_tokens,
-        batch_size=config.prepare.regenerate_batch_size,
-        limit=config.prepare.limit,
-        # A prompt longer than the longest training sample could never be trained on.
-        max_prompt_tokens=config.data.max_seq_len,
+def regenerated_chats(
+    source: str, target: LoadedTarget, out_dir: Path, config: RunConfig, world: World | None = None
+) -> list[Path]:
+    summary = regenerate_for_training(
+        regeneration_records(source, config.prepare.limit), target, out_dir, config, world
     )
-    print(summary.format())
+    if summary is not None and (world is None or world.is_main):
+        print(summary.format())
     return sorted(out_dir.glob("regen-*.jsonl"))
 
 
-def ensure_train_data(config: RunConfig, target: LoadedTarget, log: Callable[[str], object] = print) -> Path:
-    """Build `data.train_shards` from `prepare.source` when it does not exist yet (cached afterwards)."""
+def ensure_train_data(
+    config: RunConfig, target: LoadedTarget, log: Callable[[str], object] = print, world: World | None = None
+) -> Path:
+    """Build `data.train_shards` from `prepare.source` when it does not exist yet (cached afterwards). Called by
+    every rank of `world` (regeneration shares the records among them; the first rank tokenises, the others wait),
+    or by one process alone when `world` is None."""
     shards = Path(config.data.train_shards)
+    is_main = world is None or world.is_main
     if (shards / "manifest.json").is_file():
-        if config.data.check_tokenizer:
+        if config.data.check_tokenizer and is_main:
             check_shards_tokenizer(shards, target.tokenizer, target.name)
         return shards
     source = config.prepare.source
@@ -87,9 +88,13 @@ def ensure_train_data(config: RunConfig, target: LoadedTarget, log: Callable[[st
             "(run `dflash-trainer prepare` or set prepare.source)"
         )
     if config.prepare.regenerate:
-        log(f"regenerating responses for {source} with the target (cached in {shards}-chat)")
-        inputs = regenerated_chats(source, target, Path(f"{shards}-chat"), config)
-    else:
+        if is_main:
+            log(f"regenerating responses for {source} with the target (cached in {shards}-chat)")
+        inputs = regenerated_chats(source, target, Path(f"{shards}-chat"), config, world)
+    if not is_main:
+        wait_for_shards(shards)
+        return shards
+    if not config.prepare.regenerate:
         inputs = [write_prompt_chats(source, Path(f"{shards}-chat") / "chats.jsonl", limit=config.prepare.limit)]
     summary = prepare(
         inputs,
@@ -180,10 +185,7 @@ def _run_training(config: RunConfig, world: World, should_stop: Callable[[], boo
     else:
         target = load_config_target(config, device=str(world.device))
         validate_drafter_settings(config, target)
-        if world.is_main:
-            ensure_train_data(config, target)
-        else:
-            wait_for_shards(Path(config.data.train_shards))
+        ensure_train_data(config, target, world=world)  # every rank regenerates a share; the first tokenises
         if config.target.fp8:  # after any regeneration: the data comes from the real target
             quantize_target_to_fp8(target)
         trainer = Trainer(config, should_stop=should_stop, target=target, world=world)
@@ -278,21 +280,55 @@ def regenerate_command(
     batch_size: int,
     temperature: float,
     limit: int | None,
+    engine: str = "auto",
+    endpoint: EndpointConfig | None = None,
+    on_error: str = "raise",
+    world: World | None = None,
 ) -> None:
+    """`dflash-trainer regenerate` on this rank of `world` (its share of the records) or alone."""
+    from ..targets.regen_ranks import RegenTeam
     from ..targets.regenerate import regenerate
 
     records = regeneration_records(source, limit)  # a missing prompt file fails before the target loads
-    loaded = load_target(target)
-    summary = regenerate(
-        records,
-        loaded,
-        out_dir,
-        max_new_tokens=max_new_tokens,
-        batch_size=batch_size,
-        temperature=temperature,
-        limit=limit,
-    )
-    print(summary.format())
+    if engine == "openai":  # the server runs the target: only its tokenizer is read here, to measure prompts
+        loaded, tokenizer = None, load_prompt_tokenizer(target)
+    else:
+        loaded, tokenizer = load_target(target, device=str(world.device) if world else "auto"), None
+    team = RegenTeam.of() if world is not None and world.distributed else RegenTeam()
+    try:
+        summary = regenerate(
+            records,
+            loaded,
+            out_dir,
+            max_new_tokens=max_new_tokens,
+            batch_size=batch_size,
+            temperature=temperature,
+            limit=limit,
+            engine=engine,
+            endpoint=endpoint,
+            tokenizer=tokenizer,
+            on_error=on_error,
+            team=team,
+        )
+    finally:
+        team.close()
+    if team.rank == 0:
+        print(summary.format())
+
+
+def load_prompt_tokenizer(name_or_path: str) -> PreTrainedTokenizerBase:
+    """The target's tokenizer alone (a model directory or hub id); a GGUF file or built-in name loads the target on
+    the CPU for it (it is converted first)."""
+    from transformers import AutoTokenizer
+
+    from ..targets.loader import BUILTIN_GGUF_TARGETS, TargetLoadError
+
+    if name_or_path in BUILTIN_GGUF_TARGETS or name_or_path.endswith(".gguf"):
+        return load_target(name_or_path, device="cpu").tokenizer
+    try:
+        return AutoTokenizer.from_pretrained(name_or_path)
+    except (OSError, ValueError) as error:
+        raise TargetLoadError(f"target {name_or_path!r}: cannot load its tokenizer: {error}") from error
 
 
 def resolve_checkpoint(path: str | Path) -> Path:
