@@ -29,8 +29,8 @@ from decoding_helpers import (  # noqa: F401 (one_thread: autouse fixture)
     hf_greedy,
     hybrid_target,
     one_thread,
+    run_then_capture,
     seeded,
-    warm_up_then_run,
 )
 from dflash_trainer.decoding.batch import BatchDecoder, Request, RequestQueue
 from dflash_trainer.decoding.cache import UnsupportedTargetError
@@ -311,10 +311,10 @@ def test_speculative_decoding_of_a_hybrid_is_lossless_at_every_accepted_length(b
         assert all(result.tau > 1.0 for result in run.results)
 
 
-def test_warm_up_before_capture_leaves_the_recurrent_states_as_they_were(monkeypatch):
-    """A capture runs the step once (warm-up), restores the declared state, then replays it. The recurrent
-    states advance in place, so they must be declared: run every step twice that way and the tokens (sampled,
-    plain and speculative) must equal running it once."""
+def test_capture_after_the_first_run_leaves_the_recurrent_states_as_one_run_does(monkeypatch):
+    """A key's first call runs the step and then captures it (its Python twice, its kernels once): simulated for
+    every step (`run_then_capture`), the tokens (sampled, plain and speculative) must equal running it once; the
+    recurrent states' bookkeeping (verify records, commit) must survive the second pass of Python."""
     model = hybrid_target()
     prompts = _prompts((3, 9, 5, 14))
     sampling = SamplingParams(temperature=1.0, top_p=0.9)
@@ -335,7 +335,7 @@ def test_warm_up_before_capture_leaves_the_recurrent_states_as_they_were(monkeyp
     reference = run_all()
     assert reference[1] == [reference[0][i] for i in range(len(prompts))]  # speculative sampling == plain sampling
 
-    monkeypatch.setattr(StepGraphs, "run", warm_up_then_run)
+    monkeypatch.setattr(StepGraphs, "run", run_then_capture)
     assert run_all() == reference
 
 

@@ -24,7 +24,8 @@ given the text position on every axis) (`SUPPORTED_MODEL_TYPES`, each tested aga
 raises `UnsupportedTargetError` (a layout we have not checked could be silently wrong). The linear-attention
 layers run transformers' own code (and with it flash-linear-attention's kernels where transformers found `fla`);
 their per-row states live in the cache (`recurrent.py`), and their delta-rule kernels are routed through it for
-the duration of a forward (`routed_delta_rules`).
+the duration of a forward (`routed_delta_rules`). On a GPU with flash-linear-attention (`linear_kernels.py`) their
+short convolution runs fla's Triton kernels too, and decode steps and commits advance the states in place.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ from transformers import PreTrainedModel
 from ..targets.capture import decoder_module, embedding_module, lm_head_module
 from .attention import engine_attention, layer_masks
 from .cache import StaticKVCache, UnsupportedTargetError, check_supported_layer_types
+from .linear_kernels import TRANSFORMERS, LinearKernels, routed_convolutions, select_linear_kernels
 from .recurrent import LinearLayerShape, RecurrentStates, delta_rule_modules, routed_delta_rules
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "qwen3_5_text")
@@ -56,9 +58,12 @@ class ForwardOutput:
 
 
 class TargetRunner:
-    """Runs a frozen Hugging Face causal LM over a `StaticKVCache`; see the module docstring."""
+    """Runs a frozen Hugging Face causal LM over a `StaticKVCache`; see the module docstring. `linear_kernels`:
+    what linear-attention layers run besides transformers' bindings (default: `select_linear_kernels`)."""
 
-    def __init__(self, model: PreTrainedModel, *, tap_layers: Sequence[int] = ()) -> None:
+    def __init__(
+        self, model: PreTrainedModel, *, tap_layers: Sequence[int] = (), linear_kernels: LinearKernels | None = None
+    ) -> None:
         config = model.config.get_text_config(decoder=True)
         name = type(model).__name__
         layers = decoder_module(model).layers
@@ -99,6 +104,7 @@ class TargetRunner:
         self.vocab_size = int(self.lm_head.weight.shape[0])
         self.dtype = self.embed.weight.dtype
         self.device = self.embed.weight.device
+        self.linear_kernels = linear_kernels or (select_linear_kernels(self.device) if linear else TRANSFORMERS)
         rotary = self.decoder.rotary_emb
         # Multimodal RoPE (Qwen3.5) takes a position per axis; text has the same position on every axis.
         self.rope_axes = len(rotary.mrope_section) if getattr(rotary, "mrope_section", None) is not None else 0
@@ -114,7 +120,12 @@ class TargetRunner:
         recurrent = None
         if self.hybrid:
             recurrent = RecurrentStates(
-                self.linear_shapes, num_layers=len(self.layers), rows=rows, dtype=self.dtype, device=self.device
+                self.linear_shapes,
+                num_layers=len(self.layers),
+                rows=rows,
+                dtype=self.dtype,
+                device=self.device,
+                advance=self.linear_kernels.advance,
             )
         return StaticKVCache(
             attention_layers=self.attention_layers,
@@ -164,7 +175,8 @@ class TargetRunner:
         masks = layer_masks(windows, positions, kv_len)
         taps: dict[int, Tensor] = {}
         routing = routed_delta_rules(self.delta_rule_modules, cache.recurrent) if self.hybrid else nullcontext()
-        with engine_attention(self.attention_modules), routing:
+        convolutions = routed_convolutions(self.delta_rule_modules, self.linear_kernels)
+        with engine_attention(self.attention_modules), routing, convolutions:
             for index, layer in enumerate(self.layers):
                 cache.enter_layer(index)
                 linear = index in self.linear_shapes
