@@ -320,35 +320,53 @@ def train_phase(target, *, steps: int, compile_drafter: bool, documents: str) ->
 
 
 def decode_phase(target, *, rows: list[int], new_tokens: int) -> dict:
-    """Per row count: plain decoding's ms per step with CUDA graphs and eagerly, and tokens/s; where an eager step's
-    kernel time goes; the recurrent-state update alone; speculative == plain where rows <= SPECULATIVE_ROWS."""
+    """Per row count: plain decoding's ms per step with CUDA graphs (the engine's kernels; without its fused norms;
+    with transformers' kernels only, as before) and eagerly, and tokens/s; where an eager step's kernel time goes;
+    the recurrent-state update alone; speculative == plain where rows <= SPECULATIVE_ROWS."""
+    import dataclasses
+
     import torch
 
+    from dflash_trainer.decoding.hybrid_kernels import TRANSFORMERS
     from dflash_trainer.decoding.target import TargetRunner
 
     generator = torch.Generator().manual_seed(1)
     prompts = [torch.randint(0, PROMPT_VOCAB, (PROMPT_TOKENS,), generator=generator).tolist() for _ in range(max(rows))]
-    runner = TargetRunner(target.model)
-    plain_steps(runner, prompts[:1], new_tokens=5, use_graphs=True)  # warm-up: Triton compiles, cuBLAS
-    result: dict = {"kernels": runner.linear_kernels.name, "new_tokens": new_tokens, "by_rows": {}}
+    runner = TargetRunner(target.model)  # the engine's choice: fla's kernels where fla is importable
+    variants = {"graphs": runner}
+    if runner.hybrid_kernels.rms_norm is not None:
+        unfused = dataclasses.replace(runner.hybrid_kernels, name="no fused norms", rms_norm=None, gated_rms_norm=None)
+        variants["graphs, transformers' norms"] = TargetRunner(target.model, hybrid_kernels=unfused)
+    if runner.hybrid_kernels is not TRANSFORMERS:
+        variants["graphs, transformers' kernels"] = TargetRunner(target.model, hybrid_kernels=TRANSFORMERS)
+    for variant in variants.values():  # warm-up: Triton compiles and autotunes, cuBLAS
+        plain_steps(variant, prompts[:1], new_tokens=5, use_graphs=True)
+    result: dict = {"kernels": runner.hybrid_kernels.name, "new_tokens": new_tokens, "by_rows": {}}
     lines = []
     for count in rows:
         torch.cuda.empty_cache()
         entry = {
-            "graphs": plain_steps(runner, prompts[:count], new_tokens=new_tokens, use_graphs=True),
-            "eager": plain_steps(runner, prompts[:count], new_tokens=new_tokens, use_graphs=False),
+            name: plain_steps(variant, prompts[:count], new_tokens=new_tokens, use_graphs=True)
+            for name, variant in variants.items()
         }
+        entry["eager"] = plain_steps(runner, prompts[:count], new_tokens=new_tokens, use_graphs=False)
         entry["profile"] = profile_decode_step(runner, count)
         entry["state_update"] = state_update_bandwidth(runner, count)
         if count <= SPECULATIVE_ROWS:
             entry["speculative"] = speculative_check(target, prompts[:count], entry["graphs"]["outputs"])
-        entry["graphs"].pop("outputs", None)
-        entry["eager"].pop("outputs", None)
+        reference = entry["graphs"]["outputs"]
+        for name in (*variants, "eager"):  # rows whose output equals the engine's with graphs (bf16: near-ties part)
+            outputs = entry[name].pop("outputs")
+            entry[name]["rows_equal_to_graphs"] = sum(a == b for a, b in zip(outputs, reference, strict=True))
         result["by_rows"][count] = entry
         graphs, eager, profile = entry["graphs"], entry["eager"], entry["profile"]
+        others = ", ".join(
+            f"{entry[name]['ms_per_step']:.1f} ms/step {name.removeprefix('graphs, ')}" for name in list(variants)[1:]
+        )
         line = (
-            f"{count} rows: {graphs['ms_per_step']:.1f} ms/step = {graphs['tokens_per_s']:,.0f} tok/s with CUDA graphs,"
-            f" {eager['ms_per_step']:.1f} ms/step eager; eager kernels busy {profile['busy_ms']:.1f} ms ("
+            f"{count} rows: {graphs['ms_per_step']:.1f} ms/step = {graphs['tokens_per_s']:,.0f} tok/s with CUDA graphs"
+            f" ({others}; eager {eager['ms_per_step']:.1f}); an eager step's kernels busy {profile['busy_ms']:.1f} ms"
+            f" in {profile['kernel_launches']:.0f} kernels ("
             + ", ".join(f"{name} {ms:.1f}" for name, ms in profile["classes_ms"].items())
             + f"); state update {entry['state_update']['summary']}"
         )
@@ -452,8 +470,8 @@ def state_update_bandwidth(runner, rows: int) -> dict:
     g = -torch.rand(rows, 1, shape.value_heads, device=device)
     beta = torch.rand(rows, 1, shape.value_heads, device=device, dtype=runner.dtype)
     runs = {}
-    if runner.linear_kernels.advance is not None:
-        runs["in_place"] = lambda: runner.linear_kernels.advance(q, k, v, g, beta, state, True)
+    if runner.hybrid_kernels.advance is not None:
+        runs["in_place"] = lambda: runner.hybrid_kernels.advance(q, k, v, g, beta, state, True)
     try:
         from fla.ops.gated_delta_rule import fused_recurrent_gated_delta_rule
 

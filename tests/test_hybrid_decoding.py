@@ -38,14 +38,14 @@ from dflash_trainer.decoding import target as target_module
 from dflash_trainer.decoding.batch import BatchDecoder, Request, RequestQueue
 from dflash_trainer.decoding.cache import UnsupportedTargetError
 from dflash_trainer.decoding.graphs import StepGraphs
-from dflash_trainer.decoding.linear_kernels import (
+from dflash_trainer.decoding.hybrid_kernels import (
     CONV_KERNELS,
     FLA,
     TRANSFORMERS,
-    LinearKernels,
+    HybridKernels,
     fla_available,
     routed_convolutions,
-    select_linear_kernels,
+    select_hybrid_kernels,
 )
 from dflash_trainer.decoding.plain import target_generate_batch
 from dflash_trainer.decoding.recurrent import DELTA_RULE_KERNELS
@@ -100,14 +100,14 @@ def run_blocks(
     *,
     keeps: list[list[int]],
     tolerance: float,
-    kernels: LinearKernels | None = None,
+    kernels: HybridKernels | None = None,
     reference_model: PreTrainedModel | None = None,
 ) -> float:
     """Prefill right-padded prompts of lengths 12, 9, 5, then verify blocks of 3 tokens per row, each row keeping
     keeps[step][row] of them (0 = a finished row, nothing kept): every logit and tap equals the model's own
     forward over the whole sequence (or `reference_model`'s, the same weights in another dtype) within `tolerance`.
     Returns the largest logit error."""
-    runner = TargetRunner(model, tap_layers=[1, 3], linear_kernels=kernels)
+    runner = TargetRunner(model, tap_layers=[1, 3], hybrid_kernels=kernels)
     with torch.no_grad():
         reference = (reference_model or model)(ids, output_hidden_states=True)
     cache = runner.new_cache(3, 48)
@@ -152,19 +152,27 @@ KEEPS = [[1, 3, 2], [3, 0, 1], [2, 2, 3], [0, 1, 1], [3, 3, 0], [1, 2, 3]]
 
 
 # ------------------------------------------------------------------------------------------------------------
-# The engine's fast path (`linear_kernels.py`) on the CPU: flash-linear-attention's contracts (a stateless
+# The engine's fast path (`hybrid_kernels.py`) on the CPU: flash-linear-attention's contracts (a stateless
 # convolution over [k, C, L], a one-token convolution that shifts its state in place, a delta rule that advances its
-# state in place), implemented in float64 by other means than transformers' references (unfolded windows instead of
-# F.conv1d), counting their calls. The engine's bookkeeping around them (conv windows, in-place advance in decode
-# steps and commits, no copy) must give what transformers gives.
+# state in place, RMS norms with the effective weight, the gated norm), implemented in float64 by other means than
+# transformers' references (unfolded windows instead of F.conv1d), counting their calls. The engine's bookkeeping
+# around them (conv windows, in-place advance in decode steps and commits, no copy, the norms' weights 1 + w) must
+# give what transformers gives.
 
 
 class FlaContract:
-    """A `LinearKernels` with fla's calling contracts computed by reference implementations; `calls` counts uses."""
+    """A `HybridKernels` with fla's calling contracts computed by reference implementations; `calls` counts uses."""
 
     def __init__(self) -> None:
         self.calls: Counter[str] = Counter()
-        self.kernels = LinearKernels("fla-contract", conv=self.conv, conv_update=self.conv_update, advance=self.advance)
+        self.kernels = HybridKernels(
+            "fla-contract",
+            conv=self.conv,
+            conv_update=self.conv_update,
+            advance=self.advance,
+            rms_norm=self.rms_norm,
+            gated_rms_norm=self.gated_rms_norm,
+        )
 
     @staticmethod
     def _activate(out: Tensor, activation: str | None) -> Tensor:
@@ -190,6 +198,22 @@ class FlaContract:
         out = out + bias.double()[:, None] if bias is not None else out
         return self._activate(out, activation).to(x.dtype)
 
+    # The norms in float32 in transformers' own order of operations (its norms compute in float32 whatever the model
+    # dtype, so the float64 rollback test stays exact and checks the routing: the effective weight 1 + w, eps);
+    # fla's kernels compute the same in float32 in their own order, checked against these on the GPU.
+
+    def rms_norm(self, x: Tensor, weight: Tensor, eps: float) -> Tensor:
+        """x * rsqrt(mean(x^2) + eps) * weight, `weight` the effective one (1 + w for Qwen3.5's norms)."""
+        self.calls["rms_norm"] += 1
+        x32 = x.float()
+        return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps) * weight).to(x.dtype)
+
+    def gated_rms_norm(self, x: Tensor, gate: Tensor, weight: Tensor, eps: float) -> Tensor:
+        self.calls["gated_rms_norm"] += 1
+        x32 = x.float()
+        normed = (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+        return (weight * normed * torch.nn.functional.silu(gate.float())).to(x.dtype)
+
     def advance(self, query, key, value, g, beta, state: Tensor, use_qk_l2norm_in_kernel: bool) -> Tensor:
         self.calls["advance"] += 1
         out, final = naive_delta_rule(
@@ -211,18 +235,27 @@ def test_verified_blocks_roll_the_recurrent_states_back_exactly(monkeypatch, ker
     contract = FlaContract() if kernels == "fla-contract" else None
     run_blocks(model, ids, keeps=KEEPS, tolerance=1e-10, kernels=contract.kernels if contract else None)
     if contract:
-        linear_layers = 3
-        assert contract.calls == {"conv": linear_layers * (1 + len(KEEPS)), "advance": linear_layers * len(KEEPS)}
+        forwards, linear_layers = 1 + len(KEEPS), 3
+        norms = 2 * 5 + 2 * 2 + 1  # two per layer, q and k norms of the 2 attention layers, the final norm
+        assert contract.calls == {
+            "conv": linear_layers * forwards,
+            "advance": linear_layers * len(KEEPS),
+            "rms_norm": norms * forwards,
+            "gated_rms_norm": linear_layers * forwards,
+        }
+
+
+FLA_CONTRACT_KERNELS = ("conv", "conv_update", "advance", "rms_norm", "gated_rms_norm")
 
 
 @pytest.fixture(params=["selected", "fla-contract"])
 def engine_kernels(request, monkeypatch) -> FlaContract | None:
-    """Every `TargetRunner` of the test runs the kernels `select_linear_kernels` picks (CPU: transformers'
+    """Every `TargetRunner` of the test runs the kernels `select_hybrid_kernels` picks (CPU: transformers'
     bindings; a GPU: fla's when importable) or fla's contracts in float64 (`FlaContract`)."""
     if request.param == "selected":
         return None
     contract = FlaContract()
-    monkeypatch.setattr(target_module, "select_linear_kernels", lambda device: contract.kernels)
+    monkeypatch.setattr(target_module, "select_hybrid_kernels", lambda device: contract.kernels)
     return contract
 
 
@@ -238,7 +271,7 @@ def test_routed_convolutions_bind_for_one_forward_and_leave_unknown_activations_
     assert contract.calls == {"conv": 1}
     torch.testing.assert_close(fast, saved[0](x, weight, None, activation="silu"))
     torch.testing.assert_close(reference, saved[0](x, weight, None, activation="gelu"))
-    assert select_linear_kernels(torch.device("cpu")) is TRANSFORMERS
+    assert select_hybrid_kernels(torch.device("cpu")) is TRANSFORMERS
 
 
 GPU = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -269,11 +302,11 @@ NEEDS_FLA = pytest.mark.skipif(not fla_available(), reason="needs flash-linear-a
 @NEEDS_FLA
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
 def test_fla_kernels_keep_the_contracts_the_engine_relies_on(dtype):
-    """fla's convolutions and the in-place delta rule (`linear_kernels.FLA`) against `FlaContract`'s float64
+    """fla's convolutions, norms and the in-place delta rule (`hybrid_kernels.FLA`) against `FlaContract`'s float64
     references, inputs laid out as transformers' layers pass them: float32 to its rounding, bf16 within one rounding
     step of the output. The one-token convolution leaves exactly the shifted state, and the in-place delta rule
     exactly what fla's public kernel returns as a fresh final state (the same kernel: aliasing its initial and final
-    state is safe), at the Qwen3.6-27B layer's head shape."""
+    state is safe), at the Qwen3.6-27B layer's head shape. (Checked on the CPU in Triton's interpreter.)"""
     from fla.ops.gated_delta_rule import fused_recurrent_gated_delta_rule
 
     torch.manual_seed(0)
@@ -293,6 +326,20 @@ def test_fla_kernels_keep_the_contracts_the_engine_relies_on(dtype):
     expected = contract.conv_update(x, expected_state, weight, None, "silu")
     torch.testing.assert_close(got.double(), expected.double(), rtol=step, atol=step)
     assert torch.equal(state, expected_state)
+
+    hidden = torch.randn(rows, 1, 5120, device=device, dtype=dtype)  # the decoder's norms
+    weight = torch.randn(5120, device=device) * 0.1 + 1.0
+    got, expected = FLA.rms_norm(hidden, weight, 1e-6), contract.rms_norm(hidden, weight, 1e-6)
+    torch.testing.assert_close(got.double(), expected.double(), rtol=step, atol=step)
+    query = torch.randn(rows, 1, 24, 512, device=device, dtype=dtype)[..., :256]  # q norm: a view of q_proj's output
+    weight = weight[:256]
+    got, expected = FLA.rms_norm(query, weight, 1e-6), contract.rms_norm(query, weight, 1e-6)
+    torch.testing.assert_close(got.double(), expected.double(), rtol=step, atol=step)
+    x, gate = (torch.randn(rows * 48, 128, device=device, dtype=dtype) for _ in range(2))  # the linear layers' norm
+    weight = (torch.randn(128, device=device) * 0.1 + 1.0).to(dtype)
+    got, expected = FLA.gated_rms_norm(x, gate, weight, 1e-6), contract.gated_rms_norm(x, gate, weight, 1e-6)
+    # The reference rounds to the model dtype in the middle as transformers does, fla once: two steps apart at most.
+    torch.testing.assert_close(got.double(), expected.double(), rtol=2 * step, atol=2 * step)
 
     for rows, tokens, heads, dim in ((3, 5, 4, 32), (16, 1, 48, 128)):
         q, k, v = (torch.randn(rows, tokens, heads, dim, device=device, dtype=dtype) for _ in range(3))
@@ -406,7 +453,7 @@ def test_continuous_batching_of_a_hybrid_equals_generate(device, engine_kernels)
         assert [got[i] for i in range(len(prompts))] == references
     assert decoder.stats.prefills >= 3
     if engine_kernels:  # prefills convolve statelessly; decode steps shift the conv state and advance in place
-        assert set(engine_kernels.calls) == {"conv", "conv_update", "advance"}
+        assert set(engine_kernels.calls) == set(FLA_CONTRACT_KERNELS)
 
 
 class BatchOracleDrafter(DFlashDrafter):
@@ -494,7 +541,7 @@ def test_speculative_decoding_of_a_hybrid_is_lossless_at_every_accepted_length(b
         assert lengths == set(range(1, block_size + 1))
         assert all(result.tau > 1.0 for result in run.results)
     if engine_kernels:
-        assert set(engine_kernels.calls) == {"conv", "conv_update", "advance"}
+        assert set(engine_kernels.calls) == set(FLA_CONTRACT_KERNELS)
 
 
 def test_capture_after_the_first_run_leaves_the_recurrent_states_as_one_run_does(monkeypatch):

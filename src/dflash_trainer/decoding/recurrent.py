@@ -19,16 +19,17 @@ values, log-decays g, betas; `[rows, T, heads, ...]`); the verify forward's kern
   That is one extra kernel call over T tokens per layer (no projections, no other layer), a small fraction of the
   verify forward. c = 0 (a finished row) keeps the snapshot.
 
-In place (`advance`, `linear_kernels.py`: flash-linear-attention's fused recurrent kernel on a GPU): plain decode
-steps and the commit advance `recurrent` in place with one kernel call, instead of the layer's kernel returning a
-fresh final state that is then copied into `recurrent`. The state is most of a hybrid's decoding memory traffic
-at many rows (38.6 GB at 256 rows of the Qwen3.6-27B shape), so that halves it. Without `advance` (CPU, a GPU
-without fla) the layer's own kernel and a copy run, as transformers does.
 Prefill uses the same trick for right-padded prompts of different lengths: the padding slots (positions at or
 past the row's length) get key 0 and g 0, so each row's final state is its state after its own prompt, and the
 convolution state is the `kernel` inputs ending at the row's last prompt token (zeros before position 0). The
 outputs at real positions are untouched (everything here is causal). A refilled row therefore starts from a
 zero state, whatever the row held before.
+
+In place (`advance`, `hybrid_kernels.py`: flash-linear-attention's fused recurrent kernel on a GPU): plain decode
+steps and the commit advance `recurrent` in place with one kernel call, instead of the layer's kernel returning a
+fresh final state that is then copied into `recurrent`. The state is most of a hybrid's decoding memory traffic
+at many rows (38.6 GB at 256 rows of the Qwen3.6-27B shape), so that halves it. Without `advance` (CPU, a GPU
+without fla) the layer's own kernel and a copy run, as transformers does.
 
 Protocol with transformers' (5.17) Gated DeltaNet layers (`Qwen3_5GatedDeltaNet.forward`), which receive this
 object's owner (`StaticKVCache`) as `cache_params` and call, in order:
@@ -67,7 +68,7 @@ from types import ModuleType
 import torch
 from torch import Tensor, nn
 
-from .linear_kernels import Advance
+from .hybrid_kernels import Advance
 
 # The module-level names transformers' Gated DeltaNet layers call their delta-rule kernels by.
 DELTA_RULE_KERNELS = ("torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule")
