@@ -345,37 +345,47 @@ def decode_phase(target, *, rows: list[int], new_tokens: int) -> dict:
     lines = []
     for count in rows:
         torch.cuda.empty_cache()
-        entry = {
-            name: plain_steps(variant, prompts[:count], new_tokens=new_tokens, use_graphs=True)
-            for name, variant in variants.items()
-        }
-        entry["eager"] = plain_steps(runner, prompts[:count], new_tokens=new_tokens, use_graphs=False)
-        entry["profile"] = profile_decode_step(runner, count)
-        entry["state_update"] = state_update_bandwidth(runner, count)
-        if count <= SPECULATIVE_ROWS:
-            entry["speculative"] = speculative_check(target, prompts[:count], entry["graphs"]["outputs"])
-        reference = entry["graphs"]["outputs"]
-        for name in (*variants, "eager"):  # rows whose output equals the engine's with graphs (bf16: near-ties part)
-            outputs = entry[name].pop("outputs")
-            entry[name]["rows_equal_to_graphs"] = sum(a == b for a, b in zip(outputs, reference, strict=True))
+        try:
+            entry, line = decode_rows(target, runner, variants, prompts[:count], new_tokens=new_tokens)
+        except Exception as error:  # out of memory at the largest row count, say: the others are still reported
+            entry, line = {"error": f"{type(error).__name__}: {error}"}, f"{count} rows: ERROR {type(error).__name__}"
         result["by_rows"][count] = entry
-        graphs, eager, profile = entry["graphs"], entry["eager"], entry["profile"]
-        others = ", ".join(
-            f"{entry[name]['ms_per_step']:.1f} ms/step {name.removeprefix('graphs, ')}" for name in list(variants)[1:]
-        )
-        line = (
-            f"{count} rows: {graphs['ms_per_step']:.1f} ms/step = {graphs['tokens_per_s']:,.0f} tok/s with CUDA graphs"
-            f" ({others}; eager {eager['ms_per_step']:.1f}); an eager step's kernels busy {profile['busy_ms']:.1f} ms"
-            f" in {profile['kernel_launches']:.0f} kernels ("
-            + ", ".join(f"{name} {ms:.1f}" for name, ms in profile["classes_ms"].items())
-            + f"); state update {entry['state_update']['summary']}"
-        )
-        if "speculative" in entry:
-            line += f"; {entry['speculative']['summary']}"
         print(f"decode: {line}", flush=True)
         lines.append(line)
     result["summary"] = " | ".join(lines)
     return result
+
+
+def decode_rows(target, runner, variants: dict, prompts: list[list[int]], *, new_tokens: int) -> tuple[dict, str]:
+    """The decode phase at one row count (`len(prompts)` rows): its JSON entry and its summary line."""
+    count = len(prompts)
+    entry = {
+        name: plain_steps(variant, prompts, new_tokens=new_tokens, use_graphs=True)
+        for name, variant in variants.items()
+    }
+    entry["eager"] = plain_steps(runner, prompts, new_tokens=new_tokens, use_graphs=False)
+    entry["profile"] = profile_decode_step(runner, count)
+    entry["state_update"] = state_update_bandwidth(runner, count)
+    if count <= SPECULATIVE_ROWS:
+        entry["speculative"] = speculative_check(target, prompts, entry["graphs"]["outputs"])
+    reference = entry["graphs"]["outputs"]
+    for name in (*variants, "eager"):  # rows whose output equals the engine's with graphs (bf16: near-ties part)
+        outputs = entry[name].pop("outputs")
+        entry[name]["rows_equal_to_graphs"] = sum(a == b for a, b in zip(outputs, reference, strict=True))
+    graphs, eager, profile = entry["graphs"], entry["eager"], entry["profile"]
+    others = ", ".join(
+        f"{entry[name]['ms_per_step']:.1f} ms/step {name.removeprefix('graphs, ')}" for name in list(variants)[1:]
+    )
+    line = (
+        f"{count} rows: {graphs['ms_per_step']:.1f} ms/step = {graphs['tokens_per_s']:,.0f} tok/s with CUDA graphs"
+        f" ({others}; eager {eager['ms_per_step']:.1f}); an eager step's kernels busy {profile['busy_ms']:.1f} ms"
+        f" in {profile['kernel_launches']:.0f} kernels ("
+        + ", ".join(f"{name} {ms:.1f}" for name, ms in profile["classes_ms"].items())
+        + f"); state update {entry['state_update']['summary']}"
+    )
+    if "speculative" in entry:
+        line += f"; {entry['speculative']['summary']}"
+    return entry, line
 
 
 # Prompt length of the decode phase (the 2026-12-02 measurement: 25.5 ms per step at 8 rows, 512-token prompts),
