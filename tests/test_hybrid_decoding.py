@@ -1,11 +1,13 @@
 """The decoding engine on hybrid targets (Qwen3.5-style: Gated DeltaNet linear-attention layers beside full
 attention): the static-cache forward with rolled-back recurrent states equals transformers' forward (float64 against
 a naive float64 delta rule; float32 with transformers' own kernels), continuous batching and regeneration equal
-`generate`, speculative decoding is lossless with every accepted length, a CUDA-graph capture's warm-up leaves the
-recurrent states as they were, and evaluation reports tau for a hybrid. The forward, continuous batching and
-speculative tests also run on a GPU (`-m gpu`, float32; with flash-linear-attention's kernels when `fla` is
-importable there). (Captured CUDA-graph steps of a hybrid on a GPU: test_decoding.py's
-`test_cuda_graph_steps_equal_eager_steps`.)"""
+`generate`, speculative decoding is lossless with every accepted length, a CUDA-graph capture after a key's first
+step leaves the recurrent states as one step does, and evaluation reports tau for a hybrid. The rollback, batching
+and speculative tests run twice: with the kernels the engine selects (CPU: transformers' own) and with fla's
+contracts computed by reference implementations (`FlaContract`: the engine's fast path on the CPU). They also run
+on a GPU (`-m gpu`, float32; with flash-linear-attention's kernels, the engine's fast path, when `fla` is importable
+there), where fla's kernels are checked against `FlaContract` and the fast path in bf16 against the float32 forward.
+(Captured CUDA-graph steps of a hybrid on a GPU: test_decoding.py's `test_cuda_graph_steps_equal_eager_steps`.)"""
 
 from __future__ import annotations
 
