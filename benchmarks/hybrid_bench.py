@@ -38,17 +38,24 @@ Phases (each child):
   `PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True` when they are not 0), target tokens/s, MFU, peak memory. The
   drafter layers and the loss run eagerly (compiling them costs each child about 25 s of the 3 minutes; `--compile` to
   do it);
-- `decode`: the decoding engine on `--rows` prompts of 512 random tokens: plain decoding (CUDA graphs) and
-  speculative decoding with a random 5-layer block-16 drafter (tau about 1): ms per decode step and per verify
-  step (the verify/decode ratio is the tau a drafter must beat to speed decoding up), and whether the speculative
-  output equals the plain one. bf16 near-ties may differ: a verify block and a one-token step round differently
+- `decode`: the decoding engine at each of `--rows` row counts (`--rows 8,64,256`), one prompt of 512 random tokens
+  per row, 48 new tokens: plain decoding's ms per step (the steps after the prefill, without each CUDA graph's first
+  step, which runs eagerly before its capture) and tokens/s (rows x 1000 / ms), with CUDA graphs and eagerly; one
+  eager step under the profiler: kernel time by class (GEMMs, delta rule, convolution, attention, other) against
+  the step time (the rest is launch overhead), the number of kernels, the top ones; the linear layers' recurrent
+  state update alone (in place, and the public fla kernel plus a copy, in GB/s of state read and written); and up to
+  64 rows speculative decoding with a random 5-layer block-16 drafter (tau about 1): ms per verify step and whether
+  its output equals the plain one. bf16 near-ties may differ: a verify block and a one-token step round differently
   (with fla also different kernels, chunked vs fused recurrent), and a random target's logits are nearly flat, so
   per row the common prefix of the two outputs (= the new-token index where they first part) is reported, and at
   that index the evaluation's lossless check (`eval.runner.verify_lossless`: the target's own forward over the
   common prefix) says whether the two tokens are a near-tie (both logits within 4 bf16 rounding steps of the top
   one; their gap to the top logit is reported) or not. Parting within the first few tokens on every row (token 2 is
   the first a rollback touches) with no near-ties points at the recurrent-state rollback; parting late at near-ties
-  is rounding drift.
+  is rounding drift. The decode phase alone at the three row counts (about 4 minutes after the target is built):
+
+      PYTHONPATH=src python3 benchmarks/hybrid_bench.py --wheels .fla --kernels fla --phases decode \\
+          --rows 8,64,256 --child-timeout 900
 """
 
 from __future__ import annotations
@@ -144,7 +151,9 @@ def run_children(args: argparse.Namespace) -> int:
         paths = [str(REPO / "src"), *([site] if kernels == "fla" and site else []), env.get("PYTHONPATH", "")]
         env["PYTHONPATH"] = os.pathsep.join(p for p in paths if p)
         with tempfile.NamedTemporaryFile(suffix=".json") as out:
-            command = [sys.executable, __file__, "--child", kernels, "--child-out", out.name, "--rows", str(args.rows)]
+            rows = ",".join(map(str, args.rows))
+            command = [sys.executable, __file__, "--child", kernels, "--child-out", out.name, "--rows", rows]
+            command += ["--phases", ",".join(args.phases)]
             command += ["--documents", args.documents, *(["--compile"] if args.compile else [])]
             print(f"=== {kernels} kernels", flush=True)
             try:
@@ -185,7 +194,9 @@ def bound_implementation(function: object) -> str:
     return getattr(implementation, "__module__", "unknown")
 
 
-def run_child(kernels: str, out: Path, *, rows: int, compile_drafter: bool, documents: str) -> None:
+def run_child(
+    kernels: str, out: Path, *, rows: list[int], compile_drafter: bool, documents: str, only: list[str]
+) -> None:
     if kernels == "torch":
         sys.modules["fla"] = None  # `import fla` raises: transformers binds its PyTorch fallbacks
     import torch
@@ -218,8 +229,10 @@ def run_child(kernels: str, out: Path, *, rows: int, compile_drafter: bool, docu
             "train",
             lambda: train_phase(target, steps=6 if fast else 2, compile_drafter=compile_drafter, documents=documents),
         ),
-        ("decode", lambda: decode_phase(target, rows=rows, new_tokens=48 if fast else 24)),
+        # 4k + 1 new tokens: 4k steps after the prefill, whole intervals of 4 steps between host syncs.
+        ("decode", lambda: decode_phase(target, rows=rows, new_tokens=49 if fast else 25)),
     ]
+    phases = [(name, phase) for name, phase in phases if name in only]
     for name, phase in phases:
         try:
             result["phases"][name] = phase()
@@ -306,60 +319,247 @@ def train_phase(target, *, steps: int, compile_drafter: bool, documents: str) ->
     return result
 
 
-def decode_phase(target, *, rows: int, new_tokens: int) -> dict:
+def decode_phase(target, *, rows: list[int], new_tokens: int) -> dict:
+    """Per row count: plain decoding's ms per step with CUDA graphs (the engine's kernels; without its fused norms;
+    with transformers' kernels only, as before) and eagerly, and tokens/s; where an eager step's kernel time goes;
+    the recurrent-state update alone; speculative == plain where rows <= SPECULATIVE_ROWS."""
+    import dataclasses
+
     import torch
 
-    from dflash_trainer.decoding.plain import target_generate_batch
+    from dflash_trainer.decoding.hybrid_kernels import TRANSFORMERS
+    from dflash_trainer.decoding.target import TargetRunner
+
+    generator = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, PROMPT_VOCAB, (PROMPT_TOKENS,), generator=generator).tolist() for _ in range(max(rows))]
+    runner = TargetRunner(target.model)  # the engine's choice: fla's kernels where fla is importable
+    variants = {"graphs": runner}
+    if runner.hybrid_kernels.rms_norm is not None:
+        unfused = dataclasses.replace(runner.hybrid_kernels, name="no fused norms", rms_norm=None, gated_rms_norm=None)
+        variants["graphs, transformers' norms"] = TargetRunner(target.model, hybrid_kernels=unfused)
+    if runner.hybrid_kernels is not TRANSFORMERS:
+        variants["graphs, transformers' kernels"] = TargetRunner(target.model, hybrid_kernels=TRANSFORMERS)
+    for variant in variants.values():  # warm-up: Triton compiles and autotunes, cuBLAS
+        plain_steps(variant, prompts[:1], new_tokens=5, use_graphs=True)
+    result: dict = {"kernels": runner.hybrid_kernels.name, "new_tokens": new_tokens, "by_rows": {}}
+    lines = []
+    for count in rows:
+        torch.cuda.empty_cache()
+        try:
+            entry, line = decode_rows(target, runner, variants, prompts[:count], new_tokens=new_tokens)
+        except Exception as error:  # out of memory at the largest row count, say: the others are still reported
+            entry, line = {"error": f"{type(error).__name__}: {error}"}, f"{count} rows: ERROR {type(error).__name__}"
+        result["by_rows"][count] = entry
+        print(f"decode: {line}", flush=True)
+        lines.append(line)
+    result["summary"] = " | ".join(lines)
+    return result
+
+
+def decode_rows(target, runner, variants: dict, prompts: list[list[int]], *, new_tokens: int) -> tuple[dict, str]:
+    """The decode phase at one row count (`len(prompts)` rows): its JSON entry and its summary line."""
+    count = len(prompts)
+    entry = {
+        name: plain_steps(variant, prompts, new_tokens=new_tokens, use_graphs=True)
+        for name, variant in variants.items()
+    }
+    entry["eager"] = plain_steps(runner, prompts, new_tokens=new_tokens, use_graphs=False)
+    entry["profile"] = profile_decode_step(runner, count)
+    entry["state_update"] = state_update_bandwidth(runner, count)
+    if count <= SPECULATIVE_ROWS:
+        entry["speculative"] = speculative_check(target, prompts, entry["graphs"]["outputs"])
+    reference = entry["graphs"]["outputs"]
+    for name in (*variants, "eager"):  # rows whose output equals the engine's with graphs (bf16: near-ties part)
+        outputs = entry[name].pop("outputs")
+        entry[name]["rows_equal_to_graphs"] = sum(a == b for a, b in zip(outputs, reference, strict=True))
+    graphs, eager, profile = entry["graphs"], entry["eager"], entry["profile"]
+    others = ", ".join(
+        f"{entry[name]['ms_per_step']:.1f} ms/step {name.removeprefix('graphs, ')}" for name in list(variants)[1:]
+    )
+    line = (
+        f"{count} rows: {graphs['ms_per_step']:.1f} ms/step = {graphs['tokens_per_s']:,.0f} tok/s with CUDA graphs"
+        f" ({others}; eager {eager['ms_per_step']:.1f}); an eager step's kernels busy {profile['busy_ms']:.1f} ms"
+        f" in {profile['kernel_launches']:.0f} kernels ("
+        + ", ".join(f"{name} {ms:.1f}" for name, ms in profile["classes_ms"].items())
+        + f"); state update {entry['state_update']['summary']}"
+    )
+    if "speculative" in entry:
+        line += f"; {entry['speculative']['summary']}"
+    return entry, line
+
+
+# Prompt length of the decode phase (the 2026-12-02 measurement: 25.5 ms per step at 8 rows, 512-token prompts),
+# and the ids prompts are drawn from (the top rows spared: the drafter's mask token is the last).
+PROMPT_TOKENS = 512
+PROMPT_VOCAB = QWEN36_27B["vocab_size"] - 4096
+# Row counts up to which the decode phase also runs speculative decoding (its verify step keeps each linear layer's
+# block inputs until the commit: about 12 GB more at 256 rows of this shape).
+SPECULATIVE_ROWS = 64
+# Kernel classes of the eager step's profile, by a piece of the kernel's name (first match; the rest: "other").
+KERNEL_CLASSES = (
+    ("gemm", ("gemm", "gemv", "cutlass", "sm90_xmma", "nvjet", "splitk")),
+    ("delta rule", ("gated_delta_rule", "fused_recurrent", "chunk_")),
+    ("conv", ("causal_conv1d", "conv_depthwise", "depthwise", "conv1d", "cudnn")),
+    ("attention", ("fmha", "flash", "attention", "efficient")),
+)
+
+
+def plain_steps(runner, prompts: list[list[int]], *, new_tokens: int, use_graphs: bool) -> dict:
+    """Plain greedy decoding of `prompts` as the rows of one batch: ms per decode step over the steps after the
+    prefill, leaving out each CUDA graph's first step (eager, with its capture)."""
+    from dflash_trainer.decoding.batch import BatchDecoder, Request, RequestQueue
+
+    decoder = BatchDecoder(
+        runner,
+        rows=len(prompts),
+        max_new_tokens=new_tokens,
+        stop_token_ids=[],
+        max_len=PROMPT_TOKENS + new_tokens,
+        use_graphs=use_graphs,
+        refill_min=len(prompts),
+    )
+    queue = RequestQueue([Request(index, prompt) for index, prompt in enumerate(prompts)])
+    outputs = {completion.key: completion.tokens for completion in decoder.generate(queue)}
+    stats = decoder.stats
+    timed = stats.steps - decoder.graphs.captured
+    ms = 1e3 * stats.decode_s / timed
+    return {
+        "ms_per_step": ms,
+        "tokens_per_s": len(prompts) * 1e3 / ms,
+        "steps": stats.steps,
+        "timed_steps": timed,
+        "graphs_captured": decoder.graphs.captured,
+        "capture_s": stats.capture_s,
+        "prefill_s": stats.prefill_s,
+        "outputs": [outputs[index] for index in range(len(prompts))],
+    }
+
+
+def profile_decode_step(runner, rows: int) -> dict:
+    """One eager decode forward at `rows` rows over 512 cached positions (zero states and cache: kernel times do not
+    depend on the values), kernel time by class (`KERNEL_CLASSES`) and the top kernels."""
+    import torch
+
+    from dflash_trainer.kernel_profile import profile_kernels
+
+    kv_len = PROMPT_TOKENS + 128
+    cache = runner.new_cache(rows, kv_len)
+    tokens = torch.zeros(rows, 1, dtype=torch.long, device=runner.device)
+    positions = torch.full((rows, 1), PROMPT_TOKENS, dtype=torch.long, device=runner.device)
+
+    def step() -> None:
+        runner.forward(cache, tokens, positions, kv_len=kv_len)
+
+    step()  # warm-up
+    profile = profile_kernels(step, steps=2, device=runner.device, top=400)
+    classes = {name: 0.0 for name, _ in KERNEL_CLASSES} | {"other": 0.0}
+    for kernel in profile.kernels:
+        name = kernel.name.lower()
+        kind = next((kind for kind, keys in KERNEL_CLASSES if any(key in name for key in keys)), "other")
+        classes[kind] += kernel.ms_per_step
+    launches = sum(kernel.calls_per_step for kernel in profile.kernels)
+    return {
+        "busy_ms": profile.busy_ms_per_step,
+        "kernel_launches": launches,
+        "classes_ms": classes,
+        "top": [(k.name, round(k.ms_per_step, 3), k.calls_per_step) for k in profile.kernels[:12]],
+    }
+
+
+def state_update_bandwidth(runner, rows: int) -> dict:
+    """The linear layers' one-token delta-rule update at `rows` rows, alone: the engine's (in place with fla) and
+    the public fused recurrent kernel plus a copy into the static state (what the engine did before), in GB/s of
+    state read and written."""
+    import torch
+
+    shape = next(iter(runner.linear_shapes.values()))
+    layers = len(runner.linear_shapes)
+    device = runner.device
+    state = torch.zeros(rows, shape.value_heads, shape.key_dim, shape.value_dim, device=device)
+    q, k, v = (torch.randn(rows, 1, shape.value_heads, shape.key_dim, device=device, dtype=runner.dtype) for _ in "qkv")
+    g = -torch.rand(rows, 1, shape.value_heads, device=device)
+    beta = torch.rand(rows, 1, shape.value_heads, device=device, dtype=runner.dtype)
+    runs = {}
+    if runner.hybrid_kernels.advance is not None:
+        runs["in_place"] = lambda: runner.hybrid_kernels.advance(q, k, v, g, beta, state, True)
+    try:
+        from fla.ops.gated_delta_rule import fused_recurrent_gated_delta_rule
+
+        def public_and_copy() -> None:
+            _, final = fused_recurrent_gated_delta_rule(
+                q, k, v, g=g, beta=beta, initial_state=state, output_final_state=True, use_qk_l2norm_in_kernel=True
+            )
+            state.copy_(final)
+
+        runs["public_and_copy"] = public_and_copy
+    except ImportError:
+        pass
+    result: dict = {"state_gb_per_layer": state.numel() * 4 / 1e9}
+    for name, run in runs.items():
+        run()
+        torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        for _ in range(10):
+            run()
+        torch.cuda.synchronize(device)
+        ms = (time.perf_counter() - start) * 1e3 / 10
+        result[name] = {"ms_per_layer": ms, "ms_per_step": ms * layers, "gb_per_s": 2 * state.numel() * 4 / ms / 1e6}
+    result["summary"] = ", ".join(
+        f"{name} {value['ms_per_step']:.1f} ms/step ({value['gb_per_s']:,.0f} GB/s of state read+written)"
+        for name, value in result.items()
+        if isinstance(value, dict)
+    )
+    return result
+
+
+def speculative_check(target, prompts: list[list[int]], plain: list[list[int]]) -> dict:
+    """Speculative decoding with a random 5-layer block-16 drafter (tau about 1) of the same prompts: ms per verify
+    step and whether its output equals the plain one. bf16 near-ties may differ: a verify block and a one-token
+    step round differently (with fla also different kernels, chunked vs fused recurrent), and a random target's
+    logits are nearly flat, so per row the common prefix of the two outputs (= the new-token index where they
+    first part) is reported, and at that index the evaluation's lossless check (`eval.runner.verify_lossless`: the
+    target's own forward over the common prefix) says whether the two tokens are a near-tie (both logits within 4
+    bf16 rounding steps of the top one; their gap to the top logit is reported) or not. Parting within the first
+    few tokens on every row (token 2 is the first a rollback touches) with no near-ties points at the
+    recurrent-state rollback; parting late at near-ties is rounding drift."""
+    import torch
+
     from dflash_trainer.decoding.speculative import SpeculativeDecoder
     from dflash_trainer.model.config import DrafterModelConfig
     from dflash_trainer.model.drafter import DFlashDrafter
 
-    generator = torch.Generator().manual_seed(1)
-    vocab = QWEN36_27B["vocab_size"]
-    prompts = [torch.randint(0, vocab - 4096, (512,), generator=generator).tolist() for _ in range(rows)]
+    new_tokens = len(plain[0])
+    mask = target.model.config.vocab_size - 1
     config = DrafterModelConfig.from_target(
-        target.model.config, num_layers=5, block_size=16, mask_token_id=vocab - 1, target_layer_ids=TAPS
+        target.model.config, num_layers=5, block_size=16, mask_token_id=mask, target_layer_ids=TAPS
     )
     torch.manual_seed(0)
     drafter = DFlashDrafter(config).to(target.device, torch.bfloat16).eval()
-    common = dict(max_new_tokens=new_tokens, stop_token_ids=[])
-    target_generate_batch(target.model, prompts[:1], max_new_tokens=4, stop_token_ids=[])  # warm-up
-    plain = target_generate_batch(target.model, prompts, **common)
-    speculative = SpeculativeDecoder(target.model, drafter, prompts, **common).run()
-    plain_steps = new_tokens - 1
-    verify_steps = max(len(r.accepted_lengths) for r in speculative.results)
-    decode_ms = 1e3 * plain.decode_s / plain_steps
-    verify_ms = 1e3 * speculative.decode_s / verify_steps
-    same = sum(p.output_ids == s.output_ids for p, s in zip(plain.results, speculative.results, strict=True))
-    tau = statistics.mean(r.tau for r in speculative.results)
+    run = SpeculativeDecoder(target.model, drafter, prompts, max_new_tokens=new_tokens, stop_token_ids=[]).run()
+    verify_steps = max(len(r.accepted_lengths) for r in run.results)
+    verify_ms = 1e3 * run.decode_s / max(1, verify_steps - run.graphs_captured)
+    same = sum(p == s.output_ids for p, s in zip(plain, run.results, strict=True))
+    tau = statistics.mean(r.tau for r in run.results)
     partings = [
-        parting(target.model, index, prompt, p.output_ids, s.output_ids)
-        for index, (prompt, p, s) in enumerate(zip(prompts, plain.results, speculative.results, strict=True))
+        parting(target.model, index, prompt, p, s.output_ids)
+        for index, (prompt, p, s) in enumerate(zip(prompts, plain, run.results, strict=True))
     ]
     prefixes = [row["common_prefix"] for row in partings]
     parted = [row for row in partings if row["first_divergence"] is not None]
     ties = [row for row in parted if row["near_tie"]]
     gaps = f" (gaps to the top logit up to {max(row['logit_gap'] for row in ties):.3g})" if ties else ""
+    rows = len(prompts)
     return {
-        "rows": rows,
-        "decode_ms_per_step": decode_ms,
         "verify_ms_per_step": verify_ms,
-        "plain_tokens_per_s": plain.decode_tokens_per_s,
-        "speculative_tokens_per_s": speculative.decode_tokens_per_s,
         "tau": tau,
         "identical_outputs": same,
-        "new_tokens": new_tokens,
         "common_prefix": {"min": min(prefixes), "median": statistics.median(prefixes), "max": max(prefixes)},
         "near_tie_partings": len(ties),
         "rows_detail": partings,
-        "graphs_captured": plain.graphs_captured + speculative.graphs_captured,
-        "capture_s": plain.capture_s + speculative.capture_s,
-        "summary": f"{rows} rows: decode step {decode_ms:.1f} ms ({plain.decode_tokens_per_s:,.0f} tok/s), verify "
-        f"step (block 16 + commit + draft) {verify_ms:.1f} ms (ratio {verify_ms / decode_ms:.2f}), random drafter "
-        f"tau {tau:.2f}, speculative == plain on {same}/{rows} rows, common prefix (= first divergence) "
-        f"min/median/max {min(prefixes)}/{statistics.median(prefixes):g}/{max(prefixes)} of {new_tokens} new tokens, "
-        f"{len(ties)}/{len(parted)} partings near-ties{gaps}, "
-        f"{plain.graphs_captured + speculative.graphs_captured} graphs",
+        "summary": f"verify step (block 16 + commit + draft) {verify_ms:.1f} ms, random drafter tau {tau:.2f}, "
+        f"speculative == plain on {same}/{rows} rows, common prefix (= first divergence) min/median/max "
+        f"{min(prefixes)}/{statistics.median(prefixes):g}/{max(prefixes)} of {new_tokens} new tokens, "
+        f"{len(ties)}/{len(parted)} partings near-ties{gaps}",
     }
 
 
@@ -387,10 +587,34 @@ def parting(model, index: int, prompt: list[int], plain: list[int], speculative:
     return {**row, "near_tie": True, "logit_gap": tie.logit_gap, "tolerance": tie.tolerance}
 
 
+PHASES = ("forward", "train", "decode")
+
+
+def row_counts(text: str) -> list[int]:
+    counts = [int(part) for part in text.split(",")]
+    if not counts or min(counts) < 1:
+        raise argparse.ArgumentTypeError(f"row counts must be positive integers, got {text!r}")
+    return counts
+
+
+def phase_names(text: str) -> list[str]:
+    names = text.split(",")
+    unknown = sorted(set(names) - set(PHASES))
+    if unknown:
+        raise argparse.ArgumentTypeError(f"unknown phases {unknown}; expected some of {','.join(PHASES)}")
+    return names
+
+
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--wheels", type=Path, default=REPO / ".whl", help="where fla_core-*.whl and einops-*.whl are")
-    parser.add_argument("--rows", type=int, default=8, help="prompts decoded together in the decode phase")
+    parser.add_argument(
+        "--rows",
+        type=row_counts,
+        default=[8],
+        help="prompts decoded together in the decode phase, one or several comma-separated row counts (8,64,256)",
+    )
+    parser.add_argument("--phases", type=phase_names, default=list(PHASES), help=f"some of {','.join(PHASES)}")
     parser.add_argument(
         "--child-timeout",
         type=int,
@@ -412,7 +636,14 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--child-out", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:
-        run_child(args.child, args.child_out, rows=args.rows, compile_drafter=args.compile, documents=args.documents)
+        run_child(
+            args.child,
+            args.child_out,
+            rows=args.rows,
+            compile_drafter=args.compile,
+            documents=args.documents,
+            only=args.phases,
+        )
         return 0
     return run_children(args)
 

@@ -60,14 +60,21 @@ def hf_greedy(model: PreTrainedModel, prompt: list[int], max_new_tokens: int, st
     return next((new[: i + 1] for i, token in enumerate(new) if token in stops), new)
 
 
-def warm_up_then_run(graphs: object, key: object, step: Callable[[], None], state: list[torch.Tensor]) -> None:
-    """Stands in for `StepGraphs.run` on CPU: what a capture does (warm-up run, state restored, then the real run),
-    so a test sees whether running every step twice that way changes anything."""
+def run_then_capture(graphs: object, key: object, step: Callable[[], None]) -> None:
+    """Stands in for `StepGraphs.run` on CPU as if every call were a key's first: the step runs, then the capture
+    runs its Python again and records its kernels without running them. Simulated by running it again and then
+    restoring the tensors of its decoder and the recurrent states of its cache; the KV and drafter-context entries
+    the second run wrote lie past every row's length and are rewritten before they are read. A test sees whether
+    that changes anything."""
+    step()
+    decoder = step.func.__self__  # `step` is a partial of a decoder's step method
+    recurrent = decoder.cache.recurrent
+    state = [value for value in vars(decoder).values() if isinstance(value, torch.Tensor)]
+    state += recurrent.tensors() if recurrent is not None else []
     saved = [tensor.clone() for tensor in state]
     step()
     for tensor, value in zip(state, saved, strict=True):
         tensor.copy_(value)
-    step()
 
 
 # A tiny Qwen3.5-style hybrid: 5 layers (linear, full, linear, linear, full attention), vocab == hidden.

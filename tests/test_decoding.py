@@ -21,7 +21,7 @@ from transformers import (
     Qwen3ForCausalLM,
 )
 
-from decoding_helpers import hf_greedy, hybrid_target, one_thread, seeded, warm_up_then_run  # noqa: F401 (one_thread: autouse fixture)
+from decoding_helpers import hf_greedy, hybrid_target, one_thread, run_then_capture, seeded  # noqa: F401 (one_thread: autouse fixture)
 from dflash_trainer.decoding.batch import BatchDecoder, Request, RequestQueue
 from dflash_trainer.decoding.cache import UnsupportedTargetError
 from dflash_trainer.decoding.graphs import StepGraphs
@@ -215,10 +215,9 @@ def test_sampler_draws_from_the_softmax_and_respects_top_p():
     assert choose_tokens(logits.expand(1, 4, -1), SamplingParams(), keys, counters[:, :4]).tolist() == [[0] * 4]
 
 
-def test_warm_up_before_capture_changes_nothing(monkeypatch):
-    """A capture first runs the step once (warm-up) and restores the declared state; the replay then runs it
-    again. Everything else the step writes (caches, output buffers) must be rewritten identically, so running
-    every step twice that way on CPU gives the same tokens as running it once."""
+def test_capture_after_the_first_run_changes_nothing(monkeypatch):
+    """A key's first call runs the step and then captures it: the step's Python runs twice and its kernels once.
+    Simulated on CPU for every step (`run_then_capture`), the tokens must equal running each step once."""
     model = build_target("qwen3-sliding")
     prompts = [seeded(lambda n=n: torch.randint(0, VOCAB, (n,)).tolist(), n) for n in (3, 9, 5, 14)]
     sampling = SamplingParams(temperature=1.0, top_p=0.9)
@@ -234,7 +233,7 @@ def test_warm_up_before_capture_changes_nothing(monkeypatch):
 
     reference = run_all()
 
-    monkeypatch.setattr(StepGraphs, "run", warm_up_then_run)
+    monkeypatch.setattr(StepGraphs, "run", run_then_capture)
     assert run_all() == reference
 
 

@@ -1,19 +1,23 @@
 """The decoding engine on hybrid targets (Qwen3.5-style: Gated DeltaNet linear-attention layers beside full
 attention): the static-cache forward with rolled-back recurrent states equals transformers' forward (float64 against
 a naive float64 delta rule; float32 with transformers' own kernels), continuous batching and regeneration equal
-`generate`, speculative decoding is lossless with every accepted length, a CUDA-graph capture's warm-up leaves the
-recurrent states as they were, and evaluation reports tau for a hybrid. The forward, continuous batching and
-speculative tests also run on a GPU (`-m gpu`, float32; with flash-linear-attention's kernels when `fla` is
-importable there). (Captured CUDA-graph steps of a hybrid on a GPU: test_decoding.py's
-`test_cuda_graph_steps_equal_eager_steps`.)"""
+`generate`, speculative decoding is lossless with every accepted length, a CUDA-graph capture after a key's first
+step leaves the recurrent states as one step does, and evaluation reports tau for a hybrid. The rollback, batching
+and speculative tests run twice: with the kernels the engine selects (CPU: transformers' own) and with fla's
+contracts computed by reference implementations (`FlaContract`: the engine's fast path on the CPU). They also run
+on a GPU (`-m gpu`, float32; with flash-linear-attention's kernels, the engine's fast path, when `fla` is importable
+there), where fla's kernels are checked against `FlaContract` and the fast path in bf16 against the float32 forward.
+(Captured CUDA-graph steps of a hybrid on a GPU: test_decoding.py's `test_cuda_graph_steps_equal_eager_steps`.)"""
 
 from __future__ import annotations
 
+import copy
 import itertools
 import json
 import os
 import subprocess
 import sys
+from collections import Counter
 from functools import partial
 from pathlib import Path
 
@@ -29,12 +33,22 @@ from decoding_helpers import (  # noqa: F401 (one_thread: autouse fixture)
     hf_greedy,
     hybrid_target,
     one_thread,
+    run_then_capture,
     seeded,
-    warm_up_then_run,
 )
+from dflash_trainer.decoding import target as target_module
 from dflash_trainer.decoding.batch import BatchDecoder, Request, RequestQueue
 from dflash_trainer.decoding.cache import UnsupportedTargetError
 from dflash_trainer.decoding.graphs import StepGraphs
+from dflash_trainer.decoding.hybrid_kernels import (
+    CONV_KERNELS,
+    FLA,
+    TRANSFORMERS,
+    HybridKernels,
+    fla_available,
+    routed_convolutions,
+    select_hybrid_kernels,
+)
 from dflash_trainer.decoding.plain import target_generate_batch
 from dflash_trainer.decoding.recurrent import DELTA_RULE_KERNELS
 from dflash_trainer.decoding.sampling import SamplingParams
@@ -82,13 +96,22 @@ def naive_delta_rule(
     return out, state if output_final_state else None
 
 
-def run_blocks(model: PreTrainedModel, ids: Tensor, *, keeps: list[list[int]], tolerance: float) -> None:
+def run_blocks(
+    model: PreTrainedModel,
+    ids: Tensor,
+    *,
+    keeps: list[list[int]],
+    tolerance: float,
+    kernels: HybridKernels | None = None,
+    reference_model: PreTrainedModel | None = None,
+) -> float:
     """Prefill right-padded prompts of lengths 12, 9, 5, then verify blocks of 3 tokens per row, each row keeping
     keeps[step][row] of them (0 = a finished row, nothing kept): every logit and tap equals the model's own
-    forward over the whole sequence."""
-    runner = TargetRunner(model, tap_layers=[1, 3])
+    forward over the whole sequence (or `reference_model`'s, the same weights in another dtype) within `tolerance`.
+    Returns the largest logit error."""
+    runner = TargetRunner(model, tap_layers=[1, 3], hybrid_kernels=kernels)
     with torch.no_grad():
-        reference = model(ids, output_hidden_states=True)
+        reference = (reference_model or model)(ids, output_hidden_states=True)
     cache = runner.new_cache(3, 48)
     device = ids.device
     lengths = torch.tensor([12, 9, 5], device=device)
@@ -99,32 +122,158 @@ def run_blocks(model: PreTrainedModel, ids: Tensor, *, keeps: list[list[int]], t
         rows=torch.arange(3, device=device),
         last_index=lengths - 1,
     )
+    error = 0.0
     for row in range(3):
-        torch.testing.assert_close(prefill.logits[row], reference.logits[row, lengths[row] - 1], rtol=0, atol=tolerance)
-        taps = torch.cat([reference.hidden_states[2][row], reference.hidden_states[4][row]], dim=-1)
-        torch.testing.assert_close(prefill.features[row, : lengths[row]], taps[: lengths[row]], rtol=0, atol=tolerance)
+        expected = reference.logits[row, lengths[row] - 1].double()
+        torch.testing.assert_close(prefill.logits[row].double(), expected, rtol=0, atol=tolerance)
+        error = max(error, float((prefill.logits[row] - expected).abs().max()))
+        taps = torch.cat([reference.hidden_states[2][row], reference.hidden_states[4][row]], dim=-1).double()
+        got = prefill.features[row, : lengths[row]].double()
+        torch.testing.assert_close(got, taps[: lengths[row]], rtol=0, atol=tolerance)
     position = lengths.clone()
-    for keep in keeps:
+    for step, keep in enumerate(keeps):
         positions = position[:, None] + torch.arange(3, device=device)  # [3, 3]
         out = runner.forward(cache, torch.gather(ids, 1, positions), positions, kv_len=48, verify=True)
         for row in range(3):
-            torch.testing.assert_close(out.logits[row], reference.logits[row, positions[row]], rtol=0, atol=tolerance)
+            expected = reference.logits[row, positions[row]].double()
+            torch.testing.assert_close(
+                out.logits[row].double(),
+                expected,
+                rtol=0,
+                atol=tolerance,
+                msg=lambda m, s=step, r=row: f"block {s} row {r}: {m}",
+            )
+            error = max(error, float((out.logits[row] - expected).abs().max()))
         kept = torch.tensor(keep, device=device)
         cache.commit(kept)
         position += kept
+    return error
 
 
 KEEPS = [[1, 3, 2], [3, 0, 1], [2, 2, 3], [0, 1, 1], [3, 3, 0], [1, 2, 3]]
 
 
-def test_verified_blocks_roll_the_recurrent_states_back_exactly(monkeypatch):
+# ------------------------------------------------------------------------------------------------------------
+# The engine's fast path (`hybrid_kernels.py`) on the CPU: flash-linear-attention's contracts (a stateless
+# convolution over [k, C, L], a one-token convolution that shifts its state in place, a delta rule that advances its
+# state in place, RMS norms with the effective weight, the gated norm), implemented in float64 by other means than
+# transformers' references (unfolded windows instead of F.conv1d), counting their calls. The engine's bookkeeping
+# around them (conv windows, in-place advance in decode steps and commits, no copy, the norms' weights 1 + w) must
+# give what transformers gives.
+
+
+class FlaContract:
+    """A `HybridKernels` with fla's calling contracts computed by reference implementations; `calls` counts uses."""
+
+    def __init__(self) -> None:
+        self.calls: Counter[str] = Counter()
+        self.kernels = HybridKernels(
+            "fla-contract",
+            conv=self.conv,
+            conv_update=self.conv_update,
+            advance=self.advance,
+            rms_norm=self.rms_norm,
+            gated_rms_norm=self.gated_rms_norm,
+        )
+
+    @staticmethod
+    def _activate(out: Tensor, activation: str | None) -> Tensor:
+        return torch.nn.functional.silu(out) if activation in ("silu", "swish") else out
+
+    def conv(self, x: Tensor, weight: Tensor, bias: Tensor | None = None, activation: str | None = None, **_) -> Tensor:
+        """[k, C, L] -> [k, C, L]: out[t] = sum_j weight[j] * x[t - K + 1 + j], zeros before position 0."""
+        self.calls["conv"] += 1
+        kernel = weight.shape[-1]
+        windows = torch.nn.functional.pad(x.double(), (kernel - 1, 0)).unfold(-1, kernel, 1)  # [k, C, L, K]
+        out = (windows * weight.double()[:, None, :]).sum(-1)
+        out = out + bias.double()[:, None] if bias is not None else out
+        return self._activate(out, activation).to(x.dtype)
+
+    def conv_update(
+        self, x: Tensor, conv_state: Tensor, weight: Tensor, bias: Tensor | None = None, activation: str | None = None
+    ) -> Tensor:
+        """x [R, C, 1]; `conv_state` [R, C, K] (the last K inputs) shifted by x in place."""
+        self.calls["conv_update"] += 1
+        window = torch.cat([conv_state[..., 1:], x.to(conv_state.dtype)], dim=-1)  # [R, C, K]
+        conv_state.copy_(window)
+        out = (window.double() * weight.double()).sum(-1, keepdim=True)
+        out = out + bias.double()[:, None] if bias is not None else out
+        return self._activate(out, activation).to(x.dtype)
+
+    # The norms in float32 in transformers' own order of operations (its norms compute in float32 whatever the model
+    # dtype, so the float64 rollback test stays exact and checks the routing: the effective weight 1 + w, eps);
+    # fla's kernels compute the same in float32 in their own order, checked against these on the GPU.
+
+    def rms_norm(self, x: Tensor, weight: Tensor, eps: float) -> Tensor:
+        """x * rsqrt(mean(x^2) + eps) * weight, `weight` the effective one (1 + w for Qwen3.5's norms)."""
+        self.calls["rms_norm"] += 1
+        x32 = x.float()
+        return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps) * weight).to(x.dtype)
+
+    def gated_rms_norm(self, x: Tensor, gate: Tensor, weight: Tensor, eps: float) -> Tensor:
+        self.calls["gated_rms_norm"] += 1
+        x32 = x.float()
+        normed = (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+        return (weight * normed * torch.nn.functional.silu(gate.float())).to(x.dtype)
+
+    def advance(self, query, key, value, g, beta, state: Tensor, use_qk_l2norm_in_kernel: bool) -> Tensor:
+        self.calls["advance"] += 1
+        out, final = naive_delta_rule(
+            query, key, value, g, beta, state, output_final_state=True, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel
+        )
+        state.copy_(final)
+        return out
+
+
+@pytest.mark.parametrize("kernels", ["transformers", "fla-contract"])
+def test_verified_blocks_roll_the_recurrent_states_back_exactly(monkeypatch, kernels):
     """float64 model, transformers' delta-rule kernels replaced by a naive float64 recurrence (the engine routes
-    whatever the layers call): the commit re-advance gives exactly the states of running the kept tokens only."""
+    whatever the layers call): the commit re-advance gives exactly the states of running the kept tokens only;
+    with fla's contracts too (the verify window through the stateless convolution, the commit in place)."""
     for name in DELTA_RULE_KERNELS:
         monkeypatch.setattr(qwen3_5_modeling, name, naive_delta_rule)
     model = hybrid_target().double()
     ids = seeded(lambda: torch.randint(0, VOCAB, (3, 36)), 1)
-    run_blocks(model, ids, keeps=KEEPS, tolerance=1e-10)
+    contract = FlaContract() if kernels == "fla-contract" else None
+    run_blocks(model, ids, keeps=KEEPS, tolerance=1e-10, kernels=contract.kernels if contract else None)
+    if contract:
+        forwards, linear_layers = 1 + len(KEEPS), 3
+        norms = 2 * 5 + 2 * 2 + 1  # two per layer, q and k norms of the 2 attention layers, the final norm
+        assert contract.calls == {
+            "conv": linear_layers * forwards,
+            "advance": linear_layers * len(KEEPS),
+            "rms_norm": norms * forwards,
+            "gated_rms_norm": linear_layers * forwards,
+        }
+
+
+FLA_CONTRACT_KERNELS = ("conv", "conv_update", "advance", "rms_norm", "gated_rms_norm")
+
+
+@pytest.fixture(params=["selected", "fla-contract"])
+def engine_kernels(request, monkeypatch) -> FlaContract | None:
+    """Every `TargetRunner` of the test runs the kernels `select_hybrid_kernels` picks (CPU: transformers'
+    bindings; a GPU: fla's when importable) or fla's contracts in float64 (`FlaContract`)."""
+    if request.param == "selected":
+        return None
+    contract = FlaContract()
+    monkeypatch.setattr(target_module, "select_hybrid_kernels", lambda device: contract.kernels)
+    return contract
+
+
+def test_routed_convolutions_bind_for_one_forward_and_leave_unknown_activations_to_the_reference():
+    contract = FlaContract()
+    saved = [getattr(qwen3_5_modeling, name) for name in CONV_KERNELS]
+    x, weight = torch.randn(2, 6, 5), torch.randn(6, 4)
+    with routed_convolutions([qwen3_5_modeling], contract.kernels):
+        routed = qwen3_5_modeling.causal_conv1d_fn
+        fast = routed(x, weight, None, activation="silu")
+        reference = routed(x, weight, None, activation="gelu")  # fla applies no gelu
+    assert [getattr(qwen3_5_modeling, name) for name in CONV_KERNELS] == saved
+    assert contract.calls == {"conv": 1}
+    torch.testing.assert_close(fast, saved[0](x, weight, None, activation="silu"))
+    torch.testing.assert_close(reference, saved[0](x, weight, None, activation="gelu"))
+    assert select_hybrid_kernels(torch.device("cpu")) is TRANSFORMERS
 
 
 GPU = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -145,6 +294,88 @@ def test_static_cache_forward_equals_transformers_with_its_own_kernels(device, t
     model = hybrid_target().to(device)
     ids = seeded(lambda: torch.randint(0, VOCAB, (3, 36)), 1).to(device)
     run_blocks(model, ids, keeps=KEEPS, tolerance=tolerance)
+
+
+NEEDS_FLA = pytest.mark.skipif(not fla_available(), reason="needs flash-linear-attention (fla-core) on the path")
+
+
+@pytest.mark.gpu
+@GPU
+@NEEDS_FLA
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+def test_fla_kernels_keep_the_contracts_the_engine_relies_on(dtype):
+    """fla's convolutions, norms and the in-place delta rule (`hybrid_kernels.FLA`) against `FlaContract`'s float64
+    references, inputs laid out as transformers' layers pass them: float32 to its rounding, bf16 within one rounding
+    step of the output. The one-token convolution leaves exactly the shifted state, and the in-place delta rule
+    exactly what fla's public kernel returns as a fresh final state (the same kernel: aliasing its initial and final
+    state is safe), at the Qwen3.6-27B layer's head shape. (Checked on the CPU in Triton's interpreter.)"""
+    from fla.ops.gated_delta_rule import fused_recurrent_gated_delta_rule
+
+    torch.manual_seed(0)
+    device = torch.device("cuda")
+    contract = FlaContract()
+    step = 2**-7 if dtype == torch.bfloat16 else 1e-5  # bf16: one rounding step at 1
+    rows, channels, kernel, length = 3, 320, 4, 9
+    weight = (torch.randn(channels, kernel, device=device) / 2).to(dtype)
+    x = torch.randn(rows, length, channels, device=device, dtype=dtype).transpose(1, 2)  # [R, C, L], as the layer's
+    got = FLA.conv(x, weight, None, activation="silu")
+    torch.testing.assert_close(got.double(), contract.conv(x, weight, None, "silu").double(), rtol=step, atol=step)
+
+    state = torch.randn(rows, channels, kernel, device=device).to(dtype)
+    expected_state = state.clone()
+    x = torch.randn(rows, 1, channels, device=device, dtype=dtype).transpose(1, 2)  # [R, C, 1]
+    got = FLA.conv_update(x, state, weight, None, "silu")
+    expected = contract.conv_update(x, expected_state, weight, None, "silu")
+    torch.testing.assert_close(got.double(), expected.double(), rtol=step, atol=step)
+    assert torch.equal(state, expected_state)
+
+    hidden = torch.randn(rows, 1, 5120, device=device, dtype=dtype)  # the decoder's norms
+    weight = torch.randn(5120, device=device) * 0.1 + 1.0
+    got, expected = FLA.rms_norm(hidden, weight, 1e-6), contract.rms_norm(hidden, weight, 1e-6)
+    torch.testing.assert_close(got.double(), expected.double(), rtol=step, atol=step)
+    query = torch.randn(rows, 1, 24, 512, device=device, dtype=dtype)[..., :256]  # q norm: a view of q_proj's output
+    weight = weight[:256]
+    got, expected = FLA.rms_norm(query, weight, 1e-6), contract.rms_norm(query, weight, 1e-6)
+    torch.testing.assert_close(got.double(), expected.double(), rtol=step, atol=step)
+    x, gate = (torch.randn(rows * 48, 128, device=device, dtype=dtype) for _ in range(2))  # the linear layers' norm
+    weight = (torch.randn(128, device=device) * 0.1 + 1.0).to(dtype)
+    got, expected = FLA.gated_rms_norm(x, gate, weight, 1e-6), contract.gated_rms_norm(x, gate, weight, 1e-6)
+    # The reference rounds to the model dtype in the middle as transformers does, fla once: two steps apart at most.
+    torch.testing.assert_close(got.double(), expected.double(), rtol=2 * step, atol=2 * step)
+
+    for rows, tokens, heads, dim in ((3, 5, 4, 32), (16, 1, 48, 128)):
+        q, k, v = (torch.randn(rows, tokens, heads, dim, device=device, dtype=dtype) for _ in range(3))
+        g = -torch.rand(rows, tokens, heads, device=device)  # log-decays, float32 as the layer computes them
+        beta = torch.rand(rows, tokens, heads, device=device).to(dtype)
+        state = torch.randn(rows, heads, dim, dim, device=device)
+        before, address = state.clone(), state.data_ptr()
+        out = FLA.advance(q, k, v, g, beta, state, True)
+        assert state.data_ptr() == address
+        public_out, public_final = fused_recurrent_gated_delta_rule(
+            q, k, v, g=g, beta=beta, initial_state=before.clone(), output_final_state=True, use_qk_l2norm_in_kernel=True
+        )
+        assert torch.equal(out, public_out) and torch.equal(state, public_final)
+        reference = before.clone()
+        expected = contract.advance(q, k, v, g, beta, reference, True)
+        torch.testing.assert_close(state, reference, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(out.double(), expected.double(), rtol=max(step, 1e-4), atol=max(step, 1e-4))
+
+
+@pytest.mark.gpu
+@GPU
+@NEEDS_FLA
+def test_fla_engine_in_bfloat16_is_as_close_to_float32_as_transformers_kernels():
+    """The verify-and-commit protocol in bf16 with fla's convolution and in-place commits, against the same weights'
+    float32 forward: no further off than the engine with transformers' kernels (its reference convolution and the
+    commit through the chunked kernel and a copy). A wrong rollback is off by O(1)."""
+    exact = hybrid_target().cuda()
+    model = copy.deepcopy(exact).bfloat16()
+    ids = seeded(lambda: torch.randint(0, VOCAB, (3, 36)), 1).cuda()
+    errors = {
+        kernels.name: run_blocks(model, ids, keeps=KEEPS, tolerance=1.0, kernels=kernels, reference_model=exact)
+        for kernels in (FLA, TRANSFORMERS)
+    }
+    assert errors["fla"] <= 1.5 * errors["transformers"] + 1e-2, errors
 
 
 def test_only_known_hybrid_layouts_are_served():
@@ -202,7 +433,7 @@ class Float64Greedy:
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_continuous_batching_of_a_hybrid_equals_generate(device):
+def test_continuous_batching_of_a_hybrid_equals_generate(device, engine_kernels):
     """Seven prompts of different lengths through three rows: refilled rows start from a zero recurrent state
     (their previous request's state would change every later token), some replies stop on a stop token. On a GPU
     against float64 greedy decoding, parting only at near-ties (`Float64Greedy`)."""
@@ -223,6 +454,8 @@ def test_continuous_batching_of_a_hybrid_equals_generate(device):
     else:
         assert [got[i] for i in range(len(prompts))] == references
     assert decoder.stats.prefills >= 3
+    if engine_kernels:  # prefills convolve statelessly; decode steps shift the conv state and advance in place
+        assert set(engine_kernels.calls) == set(FLA_CONTRACT_KERNELS)
 
 
 class BatchOracleDrafter(DFlashDrafter):
@@ -258,7 +491,7 @@ def leading_steps(accepted_lengths: list[int], tokens: int) -> list[int]:
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("block_size", [4, 6])
-def test_speculative_decoding_of_a_hybrid_is_lossless_at_every_accepted_length(block_size, device):
+def test_speculative_decoding_of_a_hybrid_is_lossless_at_every_accepted_length(block_size, device, engine_kernels):
     """Three prompts decoded together; each row accepts a position-dependent number of drafts (0..B-1), so the
     recurrent states are rolled back by a different amount per row and step. Output equals plain decoding through
     the engine and transformers' greedy `generate`; the accepted lengths are exactly the oracle's. On a GPU (the
@@ -309,12 +542,14 @@ def test_speculative_decoding_of_a_hybrid_is_lossless_at_every_accepted_length(b
         lengths = {length for result in run.results for length in result.accepted_lengths}
         assert lengths == set(range(1, block_size + 1))
         assert all(result.tau > 1.0 for result in run.results)
+    if engine_kernels:
+        assert set(engine_kernels.calls) == set(FLA_CONTRACT_KERNELS)
 
 
-def test_warm_up_before_capture_leaves_the_recurrent_states_as_they_were(monkeypatch):
-    """A capture runs the step once (warm-up), restores the declared state, then replays it. The recurrent
-    states advance in place, so they must be declared: run every step twice that way and the tokens (sampled,
-    plain and speculative) must equal running it once."""
+def test_capture_after_the_first_run_leaves_the_recurrent_states_as_one_run_does(monkeypatch):
+    """A key's first call runs the step and then captures it (its Python twice, its kernels once): simulated for
+    every step (`run_then_capture`), the tokens (sampled, plain and speculative) must equal running it once; the
+    recurrent states' bookkeeping (verify records, commit) must survive the second pass of Python."""
     model = hybrid_target()
     prompts = _prompts((3, 9, 5, 14))
     sampling = SamplingParams(temperature=1.0, top_p=0.9)
@@ -335,7 +570,7 @@ def test_warm_up_before_capture_leaves_the_recurrent_states_as_they_were(monkeyp
     reference = run_all()
     assert reference[1] == [reference[0][i] for i in range(len(prompts))]  # speculative sampling == plain sampling
 
-    monkeypatch.setattr(StepGraphs, "run", warm_up_then_run)
+    monkeypatch.setattr(StepGraphs, "run", run_then_capture)
     assert run_all() == reference
 
 

@@ -2,6 +2,8 @@
 
 Modules, bottom up (import from them; this package imports nothing):
 
+    hybrid_kernels.py  what a hybrid's layers run besides transformers' own: fla's convolution, norms and in-place
+                     delta rule on a GPU
     recurrent.py     RecurrentStates: per-row conv / delta-rule states of linear-attention (Gated DeltaNet) layers
                      of hybrid targets, held by the cache; rolled back after a verify step by re-advancing the
                      delta rule over each row's kept tokens (`commit`)

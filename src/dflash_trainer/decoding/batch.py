@@ -22,7 +22,7 @@
   Requests may be pushed while `generate` runs (a follow-up turn after its previous turn completed).
 - Capacity. `max_len` grows (a new cache, contents copied, graphs recaptured) when a request needs more than
   `prompt + max_new_tokens` positions than the cache has; `memory_budget` bounds rows x max_len on the GPU
-  (with the per-row recurrent states of a hybrid target, twice when CUDA graphs are captured).
+  (with the per-row recurrent states of a hybrid target).
 - Hybrid targets (linear-attention layers): a prefill writes the refilled rows' recurrent states from zero
   (`recurrent.py`), so a row never inherits its previous request's state; decode steps advance every row's state.
 
@@ -103,7 +103,7 @@ class DecodeStats:
     prefill_tokens: int = 0
     new_tokens: int = 0
     prefill_s: float = 0.0
-    decode_s: float = 0.0  # steps and host syncs, CUDA-graph captures excluded
+    decode_s: float = 0.0  # steps and host syncs, except first steps of a CUDA graph (capture_s)
     capture_s: float = 0.0
     max_len_growths: list[int] = field(default_factory=list)
 
@@ -162,7 +162,6 @@ class BatchDecoder:
         self.active = torch.zeros(rows, dtype=torch.bool, device=device)
         self.keys = torch.zeros(rows, dtype=torch.long, device=device)  # sampling seed keys
         self.output = torch.zeros(rows, max_new_tokens, dtype=torch.long, device=device)  # new tokens
-        self._state = [self.last, self.position, self.count, self.active]
         # Host view: the request of each row and an upper bound on its position.
         self._row_request: list[Request | None] = [None] * rows
         self._position_bound = [0] * rows
@@ -173,9 +172,8 @@ class BatchDecoder:
     def _checked_len(self, max_len: int) -> int:
         max_len = round_up(max(max_len, 1), KV_BUCKET)
         if self.memory_budget is not None:
-            # Recurrent states (hybrid targets) are per row; a CUDA-graph capture holds a second copy of them.
-            state_copies = 2 if self.graphs.enabled else 1
-            per_row = max_len * self.runner.cache_bytes_per_token() + state_copies * self.runner.state_bytes_per_row()
+            # Recurrent states (hybrid targets) are per row, whatever the length.
+            per_row = max_len * self.runner.cache_bytes_per_token() + self.runner.state_bytes_per_row()
             needed = self.rows * per_row
             if needed > self.memory_budget:
                 raise CacheBudgetError(
@@ -288,9 +286,7 @@ class BatchDecoder:
             longest = max(self._position_bound[row] for row in occupied) + self.sync_every
             kv_len = min(round_up(longest, KV_BUCKET), self.cache.max_len)
             for _ in range(self.sync_every):
-                self.graphs.run(
-                    ("decode", kv_len), partial(self._decode_step, kv_len), [*self._state, *self.cache.state_tensors()]
-                )
+                self.graphs.run(("decode", kv_len), partial(self._decode_step, kv_len))
             for row in occupied:
                 self._position_bound[row] += self.sync_every
             self.stats.steps += self.sync_every

@@ -110,11 +110,6 @@ class StaticKVCache:
         states = self.recurrent.tensors() if self.recurrent is not None else []
         return sum(t.numel() * t.element_size() for t in (*self._buffers(), *states))
 
-    def state_tensors(self) -> list[Tensor]:
-        """Tensors a forward changes in place whatever the positions (the recurrent states): a CUDA-graph
-        capture restores them after its warm-up run."""
-        return self.recurrent.tensors() if self.recurrent is not None else []
-
     def resized(self, max_len: int) -> StaticKVCache:
         """A cache of `max_len` positions holding this one's entries (and the same recurrent states)."""
         grown = StaticKVCache(rows=self.rows, max_len=max_len, recurrent=self.recurrent, **self._layout)

@@ -10,18 +10,26 @@ c tokens.
 How the states are rolled back (exactly, and cheaply): a verify step leaves both states as they were before the
 block (the snapshot) and records, per layer, what the layer computed from the block: the convolution window
 `[conv ; block inputs]` `[rows, conv_dim, kernel + T]` and the inputs of the delta-rule kernel (queries, keys,
-values, log-decays g, betas; `[rows, T, heads, ...]`). `commit(counts [rows])` then, per layer,
+values, log-decays g, betas; `[rows, T, heads, ...]`); the verify forward's kernel is asked for no final state
+(nothing would read it). `commit(counts [rows])` then, per layer,
 - sets `conv` to the `kernel` window entries ending at the row's last kept token (window[c : c + kernel]);
-- re-runs the delta-rule kernel over the block from the snapshot with the slots past c *neutralised*: key 0 and
+- re-runs the delta rule over the block from the snapshot with the slots past c *neutralised*: key 0 and
   g 0. A slot with key 0 adds nothing to the memory (the delta update is the outer product key x (v - S^T key))
   and g 0 decays nothing (exp(0) = 1), so the final state is exactly the state after the first c slots.
   That is one extra kernel call over T tokens per layer (no projections, no other layer), a small fraction of the
   verify forward. c = 0 (a finished row) keeps the snapshot.
+
 Prefill uses the same trick for right-padded prompts of different lengths: the padding slots (positions at or
 past the row's length) get key 0 and g 0, so each row's final state is its state after its own prompt, and the
 convolution state is the `kernel` inputs ending at the row's last prompt token (zeros before position 0). The
 outputs at real positions are untouched (everything here is causal). A refilled row therefore starts from a
 zero state, whatever the row held before.
+
+In place (`advance`, `hybrid_kernels.py`: flash-linear-attention's fused recurrent kernel on a GPU): plain decode
+steps and the commit advance `recurrent` in place with one kernel call, instead of the layer's kernel returning a
+fresh final state that is then copied into `recurrent`. The state is most of a hybrid's decoding memory traffic
+at many rows (38.6 GB at 256 rows of the Qwen3.6-27B shape), so that halves it. Without `advance` (CPU, a GPU
+without fla) the layer's own kernel and a copy run, as transformers does.
 
 Protocol with transformers' (5.17) Gated DeltaNet layers (`Qwen3_5GatedDeltaNet.forward`), which receive this
 object's owner (`StaticKVCache`) as `cache_params` and call, in order:
@@ -33,14 +41,15 @@ object's owner (`StaticKVCache`) as `cache_params` and call, in order:
 - the delta-rule kernel (`torch_chunk_gated_delta_rule`, or `torch_recurrent_gated_delta_rule` for one token:
   transformers binds flash-linear-attention's kernels to these names when `fla` is importable, its PyTorch
   fallbacks otherwise) with `initial_state = layers[layer].recurrent_states[0]`;
-- `update_recurrent_state(final, layer)`: written (prefill: into the prefilled rows; plain decoding: all rows),
-  ignored in verify mode (the commit writes it).
+- `update_recurrent_state(final, layer)`: written (prefill: into the prefilled rows; plain decoding: all rows,
+  nothing to do when `advance` already advanced the state in place and returned it as `final`), ignored in verify
+  mode (the commit writes it).
 The layer calls the kernels by their module-level names, so `routed_delta_rules` rebinds those two names in the
 layer's modeling module to `RecurrentStates.delta_rule` for the duration of one engine forward (as
 `attention.engine_attention` switches the attention implementation) and restores them afterwards; the runner
 says which layer runs (`enter_layer`) and `has_previous_state` checks that the layer agrees. Everything is
-in-place index work on static tensors with no host syncs, so the steps can be captured as CUDA graphs. The
-states change in place, so a graph capture must restore them after its warm-up run: `tensors()` lists them.
+in-place index work on static tensors with no host syncs, so the steps can be captured as CUDA graphs (the capture
+runs a key's first step for real and then only records it, so the states advance once: `graphs.py`).
 
 Modes (`begin`): `prefill` (rows given, from position 0), `advance` (every row keeps all T tokens: plain
 decoding), `verify` (every row; states kept until `commit`).
@@ -58,6 +67,8 @@ from types import ModuleType
 
 import torch
 from torch import Tensor, nn
+
+from .hybrid_kernels import Advance
 
 # The module-level names transformers' Gated DeltaNet layers call their delta-rule kernels by.
 DELTA_RULE_KERNELS = ("torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule")
@@ -134,8 +145,10 @@ class RecurrentStates:
         rows: int,
         dtype: torch.dtype,
         device: torch.device,
+        advance: Advance | None = None,
     ) -> None:
         self.rows = rows
+        self._advance = advance  # in-place delta rule (module docstring), None: the layer's kernel and a copy
         self.shapes = shapes
         self.layers: list[LinearLayerState | None] = [None] * num_layers
         state_dtype = state_dtype_for(dtype)
@@ -209,7 +222,8 @@ class RecurrentStates:
             last = padded.gather(2, index[:, None, :].expand(-1, inputs.shape[1], -1))  # [k, C, K]
             conv.index_copy_(0, self._rows, last.to(conv.dtype))
             return inputs
-        window = torch.cat([conv, inputs.to(conv.dtype)], dim=-1)  # [R, C, K + T]
+        # [R, C, K + T], laid out as [R, K + T, C] in memory: what fla's convolution reads fastest (as its inputs).
+        window = torch.cat([conv.transpose(1, 2), inputs.transpose(1, 2).to(conv.dtype)], dim=1).transpose(1, 2)
         if self.mode is Mode.ADVANCE:
             conv.copy_(window[..., -kernel:])
         else:
@@ -234,7 +248,23 @@ class RecurrentStates:
             if self._layer is None:
                 raise RuntimeError("delta rule called outside a linear-attention layer")
             self._calls[self._layer] = _KernelCall(kernel, query, key, value, g, beta, dict(kwargs))
+            kwargs = {**kwargs, "output_final_state": False}  # the commit computes the state
+        else:
+            state = self._state(self._layer).recurrent_states[0] if self._layer is not None else None
+            if state is not None and kwargs.get("initial_state") is state and self._advances(kwargs):
+                return self._advance_in_place(query, key, value, g, beta, state, kwargs), state
         return kernel(query, key, value, g=g, beta=beta, **kwargs)
+
+    def _advances(self, kwargs: dict) -> bool:
+        """Whether `advance` computes what the layer's kernel would with these arguments (it knows no custom
+        scale and no packed rows)."""
+        return self._advance is not None and kwargs.get("scale") is None and kwargs.get("cu_seqlens") is None
+
+    def _advance_in_place(
+        self, query: Tensor, key: Tensor, value: Tensor, g: Tensor, beta: Tensor, state: Tensor, kwargs: dict
+    ) -> Tensor:
+        assert self._advance is not None
+        return self._advance(query, key, value, g, beta, state, bool(kwargs.get("use_qk_l2norm_in_kernel", False)))
 
     def update_recurrent_state(self, final: Tensor | None, layer_idx: int, state_idx: int = 0, **kwargs) -> Tensor:
         recurrent = self._state(layer_idx).recurrent_states[0]
@@ -242,6 +272,8 @@ class RecurrentStates:
             return recurrent  # written by `commit`
         if final is None:
             raise RuntimeError(f"linear-attention layer {layer_idx} returned no final state")
+        if final is recurrent:  # advanced in place
+            return recurrent
         if self.mode is Mode.PREFILL:
             assert self._rows is not None
             recurrent.index_copy_(0, self._rows, final.to(recurrent.dtype))
@@ -266,11 +298,14 @@ class RecurrentStates:
             conv, recurrent = state.conv_states[0], state.recurrent_states[0]
             keep = torch.arange(call.key.shape[1], device=counts.device)[None, :] < counts[:, None]  # [R, T]
             key, g = _neutralise(call.key, call.g, keep)
-            kwargs = {**call.kwargs, "initial_state": recurrent, "output_final_state": True}
-            _, final = call.kernel(call.query, key, call.value, g=g, beta=call.beta, **kwargs)
-            if final is None:
-                raise RuntimeError(f"linear-attention layer {layer}: the kernel returned no final state")
-            recurrent.copy_(final)
+            if self._advances(call.kwargs):
+                self._advance_in_place(call.query, key, call.value, g, call.beta, recurrent, call.kwargs)
+            else:
+                kwargs = {**call.kwargs, "initial_state": recurrent, "output_final_state": True}
+                _, final = call.kernel(call.query, key, call.value, g=g, beta=call.beta, **kwargs)
+                if final is None:
+                    raise RuntimeError(f"linear-attention layer {layer}: the kernel returned no final state")
+                recurrent.copy_(final)
             index = counts[:, None] + torch.arange(conv.shape[-1], device=counts.device)  # [R, K]: window[c : c + K]
             conv.copy_(self._windows[layer].gather(2, index[:, None, :].expand(-1, conv.shape[1], -1)))
         self._windows.clear()

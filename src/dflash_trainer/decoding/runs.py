@@ -34,9 +34,11 @@ class BatchRun:
 
     results: list[GenerationResult]
     prefill_s: float  # the prompts' prefill (and the first draft)
-    decode_s: float  # every step after it until the last row finished, CUDA-graph captures excluded
+    # Every step after it until the last row finished, except each attended length's first step (run eagerly,
+    # then captured as a CUDA graph: `capture_s`), so tokens/s over it are high by about one step per length.
+    decode_s: float
     rows: int  # prompts decoded at once
-    capture_s: float = 0.0  # CUDA-graph captures (one per attended length, first use)
+    capture_s: float = 0.0  # first steps of each attended length with their CUDA-graph captures
     graphs_captured: int = 0
 
     @property

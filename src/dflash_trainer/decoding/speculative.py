@@ -92,7 +92,6 @@ class SpeculativeDecoder:
         self.active = torch.zeros(rows, dtype=torch.bool, device=device)
         self.output = torch.zeros(rows, max_new_tokens + block, dtype=torch.long, device=device)
         self.accepted = torch.zeros(rows, max_new_tokens, dtype=torch.long, device=device)  # per step
-        self._state = [self.last, self.position, self.drafts, self.count, self.steps, self.active]
 
     @torch.inference_mode()
     def run(self) -> BatchRun:
@@ -103,9 +102,7 @@ class SpeculativeDecoder:
         while True:
             kv_len = min(round_up(bound + self.sync_every * self.block_size, KV_BUCKET), self.cache.max_len)
             for _ in range(self.sync_every):
-                self.graphs.run(
-                    ("verify", kv_len), partial(self._step, kv_len), [*self._state, *self.cache.state_tensors()]
-                )
+                self.graphs.run(("verify", kv_len), partial(self._step, kv_len))
             # Host sync (one copy): stop once every row is done; else tighten the position bound.
             any_active, bound = torch.stack([self.active.any().long(), self.position.max()]).tolist()
             if not any_active:

@@ -24,7 +24,9 @@ given the text position on every axis) (`SUPPORTED_MODEL_TYPES`, each tested aga
 raises `UnsupportedTargetError` (a layout we have not checked could be silently wrong). The linear-attention
 layers run transformers' own code (and with it flash-linear-attention's kernels where transformers found `fla`);
 their per-row states live in the cache (`recurrent.py`), and their delta-rule kernels are routed through it for
-the duration of a forward (`routed_delta_rules`).
+the duration of a forward (`routed_delta_rules`). On a GPU with flash-linear-attention (`hybrid_kernels.py`) their
+short convolution runs fla's Triton kernels too, decode steps and commits advance the states in place, and the
+hybrid's RMS norms (zero-centred and gated) run as one fla kernel each, all for the duration of a forward.
 """
 
 from __future__ import annotations
@@ -40,6 +42,14 @@ from transformers import PreTrainedModel
 from ..targets.capture import decoder_module, embedding_module, lm_head_module
 from .attention import engine_attention, layer_masks
 from .cache import StaticKVCache, UnsupportedTargetError, check_supported_layer_types
+from .hybrid_kernels import (
+    TRANSFORMERS,
+    HybridKernels,
+    NormWeights,
+    routed_convolutions,
+    routed_norms,
+    select_hybrid_kernels,
+)
 from .recurrent import LinearLayerShape, RecurrentStates, delta_rule_modules, routed_delta_rules
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "qwen3_5_text")
@@ -56,9 +66,12 @@ class ForwardOutput:
 
 
 class TargetRunner:
-    """Runs a frozen Hugging Face causal LM over a `StaticKVCache`; see the module docstring."""
+    """Runs a frozen Hugging Face causal LM over a `StaticKVCache`; see the module docstring. `hybrid_kernels`:
+    what a hybrid's layers run besides transformers' own (default: `select_hybrid_kernels`)."""
 
-    def __init__(self, model: PreTrainedModel, *, tap_layers: Sequence[int] = ()) -> None:
+    def __init__(
+        self, model: PreTrainedModel, *, tap_layers: Sequence[int] = (), hybrid_kernels: HybridKernels | None = None
+    ) -> None:
         config = model.config.get_text_config(decoder=True)
         name = type(model).__name__
         layers = decoder_module(model).layers
@@ -99,6 +112,8 @@ class TargetRunner:
         self.vocab_size = int(self.lm_head.weight.shape[0])
         self.dtype = self.embed.weight.dtype
         self.device = self.embed.weight.device
+        self.hybrid_kernels = hybrid_kernels or (select_hybrid_kernels(self.device) if linear else TRANSFORMERS)
+        self.norms = NormWeights(self.decoder)  # the norms `hybrid_kernels` may run (hybrid_kernels.py)
         rotary = self.decoder.rotary_emb
         # Multimodal RoPE (Qwen3.5) takes a position per axis; text has the same position on every axis.
         self.rope_axes = len(rotary.mrope_section) if getattr(rotary, "mrope_section", None) is not None else 0
@@ -114,7 +129,12 @@ class TargetRunner:
         recurrent = None
         if self.hybrid:
             recurrent = RecurrentStates(
-                self.linear_shapes, num_layers=len(self.layers), rows=rows, dtype=self.dtype, device=self.device
+                self.linear_shapes,
+                num_layers=len(self.layers),
+                rows=rows,
+                dtype=self.dtype,
+                device=self.device,
+                advance=self.hybrid_kernels.advance,
             )
         return StaticKVCache(
             attention_layers=self.attention_layers,
@@ -164,7 +184,9 @@ class TargetRunner:
         masks = layer_masks(windows, positions, kv_len)
         taps: dict[int, Tensor] = {}
         routing = routed_delta_rules(self.delta_rule_modules, cache.recurrent) if self.hybrid else nullcontext()
-        with engine_attention(self.attention_modules), routing:
+        convolutions = routed_convolutions(self.delta_rule_modules, self.hybrid_kernels)
+        norms = routed_norms(self.norms, self.hybrid_kernels)
+        with engine_attention(self.attention_modules), routing, convolutions, norms:
             for index, layer in enumerate(self.layers):
                 cache.enter_layer(index)
                 linear = index in self.linear_shapes
@@ -179,8 +201,9 @@ class TargetRunner:
                 hidden = output[0] if isinstance(output, tuple) else output
                 if index in self.tap_layers:
                     taps[index] = hidden
+            if last_index is not None:
+                hidden = hidden[torch.arange(count, device=hidden.device), last_index]  # [k, H]
+            hidden = self.decoder.norm(hidden)
         features = torch.cat([taps[i] for i in self.tap_layers], dim=-1) if self.tap_layers else None
-        if last_index is not None:
-            hidden = hidden[torch.arange(count, device=hidden.device), last_index]  # [k, H]
-        logits = self.lm_head(self.decoder.norm(hidden))
+        logits = self.lm_head(hidden)
         return ForwardOutput(logits=logits, features=features)
