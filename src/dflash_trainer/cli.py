@@ -110,11 +110,13 @@ def cmd_train(args: argparse.Namespace) -> int:
         from .distributed.roles import check_placement
         from .launch import run_torchrun
         from .train.pipeline import startup_checks
+        from .train.run_lock import check_not_in_use
 
         # Here, not in the ranks: a mistake is one line before torchrun starts (and prints nothing of its own).
         check_placement(config.placement, args.nproc)
         check_local_ranks(config.target.device, args.nproc)
         startup_checks(config)
+        check_not_in_use(config.run_dir)
         return run_torchrun(args.nproc, without_option(args.argv, "--nproc"))
     from .launch import train_rank
 

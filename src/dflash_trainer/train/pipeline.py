@@ -23,7 +23,7 @@ from ..durable_io import check_safetensors_file
 from ..errors import UserError, refuse_file_as_directory
 from ..targets.loader import LoadedTarget, load_target, quantize_target_to_fp8
 from . import checkpoint as ckpt
-from .run_lock import check_not_in_use, hold_run_dir
+from .run_lock import hold_run_dir
 from .trainer import Trainer, TrainSummary, drafter_model_config
 
 
@@ -151,11 +151,11 @@ def wait_for_shards(shards: Path, poll_s: float = 2.0) -> None:
 
 
 def startup_checks(config: RunConfig) -> None:
-    """What a run checks before anything loads: the run directory (writable, not in use by another training,
-    room for a checkpoint), `checkpoint.resume` and the checkpoint's settings, and the evaluation sets (a
-    misspelt or empty one must not surface after training). `train --nproc` runs them before torchrun starts."""
+    """What every rank of a run checks before anything loads: the run directory (writable, room for a
+    checkpoint), `checkpoint.resume` and the checkpoint's settings, and the evaluation sets (a misspelt or empty
+    one must not surface after training). `train --nproc` runs them before torchrun starts, with
+    `check_not_in_use` (in a run, rank 0 taking the run directory is that check)."""
     ckpt.preflight(config)
-    check_not_in_use(config.run_dir)
     if config.eval.at_end or config.eval.every_steps:
         for name in config.eval.datasets:
             check_prompt_set_name(name, "test")
