@@ -47,7 +47,7 @@ from dflash_trainer.train.schedule import (
     target_slot,
 )
 from dflash_trainer.train.trainer import Trainer
-from test_failure import LIMIT_S, assert_every_rank_failed, run_failing
+from test_failure import LIMIT_S, assert_killed, run_failing
 from train_helpers import save_tiny_target, write_counting_shards, write_recipe
 
 SRC = Path(__file__).resolve().parents[1] / "src"
@@ -461,8 +461,7 @@ def test_five_targets_three_drafters_a_killed_target_fails_every_rank_and_the_sa
     out, seconds, status = run_failing(recipe, 8, "2:4:kill", "rank 2 kills itself")
     assert status != 0
     assert seconds < LIMIT_S, out
-    assert_every_rank_failed(out, 8)
-    assert "exitcode  : -9" in out
+    assert_killed(out, 2)
     run_dir = cases.root / "five-plus-three"
     # How far the drafters got before target 2 died is timing: the targets run up to queue_depth batches ahead, so
     # on a loaded machine target 2 can reach its third batch before the drafters finish step 2 (seen once in CI).

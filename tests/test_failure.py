@@ -64,6 +64,12 @@ def run_failing(recipe: Path, nproc: int, fault: str, failure_marker: str) -> tu
     return run_job(launcher(recipe, nproc), failure_marker, env={"DFLASH_TEST_FAIL_AT_STEP": fault})
 
 
+def assert_killed(out: str, rank: int) -> None:
+    """torchrun reports `rank` killed (SIGKILL); the other ranks ended by themselves (failure.py)."""
+    exits = {int(found): int(code) for found, code in EXIT_PATTERN.findall(out)}
+    assert exits.get(rank) == -9, out
+
+
 def assert_no_torchrun_report(out: str) -> None:
     """The launcher reported the failure; torchrun added no ChildFailedError traceback."""
     assert "ChildFailedError" not in out and "Root Cause" not in out, out
@@ -89,8 +95,7 @@ def test_a_killed_drafter_rank_fails_every_rank(tmp_path, data):
     out, seconds, status = run_failing(recipe, 3, "2:3:kill", "rank 2 kills itself")
     assert status != 0
     assert seconds < LIMIT_S, out
-    exits = {int(rank): int(code) for rank, code in EXIT_PATTERN.findall(out)}
-    assert exits[2] == -9, out  # torchrun reports the killed rank (the others exit by themselves)
+    assert_killed(out, 2)
 
 
 def test_a_raising_colocated_rank_fails_the_other(tmp_path, data):
