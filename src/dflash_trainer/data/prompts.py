@@ -115,7 +115,7 @@ PROMPT_SETS: dict[str, PromptSet] = {
         PromptSet(
             openai_evals.NAME,
             openai_evals.PACKAGE,
-            "MIT; some evals' data carry their own (package LICENSE.md)",
+            "MIT; some evals' data have their own licences (package LICENSE.md)",
             "chat prompts of the OpenAI Evals registry (at most 300 per eval)",
             "`input` chat turns of `registry/data/<eval>/*.jsonl`, `ideal` as reference; at most 300 per eval",
             openai_evals.EXCLUDED_EVALS,
