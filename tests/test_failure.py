@@ -75,6 +75,7 @@ def assert_no_torchrun_report(out: str) -> None:
     assert "ChildFailedError" not in out and "Root Cause" not in out, out
 
 
+@pytest.mark.slow
 def test_a_raising_target_rank_fails_every_rank_with_one_traceback(tmp_path, data):
     target, shards = data
     placement = {"target_ranks": [0], "drafter_ranks": [1]}
@@ -88,6 +89,7 @@ def test_a_raising_target_rank_fails_every_rank_with_one_traceback(tmp_path, dat
     assert "[rank 1] stopping because rank 0 failed (its traceback is above)" in out
 
 
+@pytest.mark.slow
 def test_a_killed_drafter_rank_fails_every_rank(tmp_path, data):
     target, shards = data
     placement = {"target_ranks": [0], "drafter_ranks": [1, 2]}
@@ -108,6 +110,7 @@ def test_a_raising_colocated_rank_fails_the_other(tmp_path, data):
     assert out.count("RuntimeError: DFLASH_TEST_FAIL_AT_STEP: injected failure on rank 0") == 1, out
 
 
+@pytest.mark.slow
 def test_a_rank_whose_checkpoint_write_fails_fails_the_job_cleanly(tmp_path, data, monkeypatch):
     """Rank 0 writes the checkpoints; a full disk there (DFLASH_TEST_DISK_FULL) must end every rank within
     seconds with one line naming the problem (a user error: no traceback), and leave no `.tmp` behind."""
@@ -128,7 +131,7 @@ def test_a_rank_whose_checkpoint_write_fails_fails_the_job_cleanly(tmp_path, dat
     assert sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir()) == []
 
 
-@pytest.mark.parametrize("launched_by", ["launcher", "torchrun"])
+@pytest.mark.parametrize("launched_by", ["launcher", pytest.param("torchrun", marks=pytest.mark.slow)])
 def test_a_user_error_on_every_rank_is_one_line_and_exit_status_2(tmp_path, data, launched_by):
     """The mask token is refused once the target has loaded, on every rank. Through `train --nproc`: status 2, no
     traceback, no report of torchrun's; through a plain torchrun: every rank exits 2."""
@@ -152,6 +155,7 @@ def test_a_user_error_on_every_rank_is_one_line_and_exit_status_2(tmp_path, data
     assert not (tmp_path / "run").exists()  # refused after start-up: nothing left behind
 
 
+@pytest.mark.slow
 def test_ctrl_c_under_nproc_stops_the_ranks_cleanly(tmp_path, data):
     """The launcher passes Ctrl-C to the ranks: they finish the step, write a checkpoint and exit 0, and torchrun
     (which saw no signal) prints no SignalException traceback."""

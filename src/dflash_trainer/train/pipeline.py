@@ -119,7 +119,8 @@ def validate_drafter_settings(config: RunConfig, target: LoadedTarget) -> None:
         from ..export import check_drafter_fits_target, check_servable, read_drafter_config
 
         initial = read_drafter_config(config.drafter.init_from)
-        for weights in sorted(Path(config.drafter.init_from).glob("*.safetensors")):  # read after the data work
+        # The weights load only when training starts, after the data work: a damaged file must be named now.
+        for weights in sorted(Path(config.drafter.init_from).glob("*.safetensors")):
             check_safetensors_file(weights, what="a weight file of drafter.init_from")
         check_drafter_fits_target(
             initial, target.config, drafter_source=config.drafter.init_from, target_name=target.name
