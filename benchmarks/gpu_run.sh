@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# One device call: GPU tests, our training-step benchmark, and the peer (speculators 0.9.0) beside it.
+# One command: GPU tests, our training-step benchmark, and the peer (speculators 0.9.0) beside it.
 # Usage on the GPU machine, from the repo root: bash benchmarks/gpu_run.sh   (results under $OUT)
-# Needs .peer/ = shared/peer-bench plus its wheels (bash .peer/get-wheels.sh .peer/whl), carried to the machine.
+# Needs .peer/ = shared/peer-bench plus its wheels (bash .peer/get-wheels.sh .peer/whl), copied to the machine.
 set -u
 OUT=${OUT:-/tmp/gpu_out}
 mkdir -p "$OUT"
@@ -17,5 +17,5 @@ timeout 240 python3 -m dflash_trainer bench recipes/bench-qwen3-8b.yaml --steps 
   --out "$OUT/ours.json" 2>&1 | grep -v "Loading weights" | tee "$OUT/ours.log" | tail -8
 
 echo "=== peer: speculators 0.9.0 (same setting)"
-OUT=$OUT PEER_TIMEOUT=200 PEER_BUDGET=180 bash benchmarks/peer_bench.sh  # this call's 600 s: tests 150 + ours 240
+OUT=$OUT PEER_TIMEOUT=200 PEER_BUDGET=180 bash benchmarks/peer_bench.sh  # within 600 s: tests 150 + ours 240
 ls -la "$OUT"

@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
-# The GPU main job, a second candidate recipe and the hybrid benchmark in a few device calls on one 2-GPU machine
-# (or one GPU). Everything runs in the background on the device (setsid) and survives between back-to-back calls;
-# each call starts a stage or reports, `collect` packs the results into $OUT. GPU 0: the main job exactly as a user
+# The GPU main job, a second candidate recipe and the hybrid benchmark in a few short commands on one 2-GPU machine
+# (or one GPU), e.g. an air-gapped cluster node reached through a remote-execution service with a per-command time
+# limit. Everything runs in the background on the GPU machine (setsid) and survives between commands; each command
+# starts a stage or reports, `collect` packs the results into $OUT. GPU 0: the main job exactly as a user
 # runs it (`dflash-trainer train`, the GPU default). GPU 1: the same main job with the overrides in $CANDIDATE
 # (another recipe, timed the same way: each job has a GPU and half the host to itself), from its own copy of the
 # tree. Each job gets 8 host threads (OMP_NUM_THREADS): the two must not starve each other's batch workers.
 #
-# Stages (from the repo root on the device; carried folders in brackets):
+# Stages (from the repo root on the GPU machine; the prepared folders each needs, copied in, in brackets):
 #   bash benchmarks/gpu_session.sh start     [.gguf1 .whl]   wheels, GGUF part 1, two copies of the tree
 #   CANDIDATE="k=v ..." bash benchmarks/gpu_session.sh main  [.gguf2 .mix]  GGUF part 2, the two jobs
 #   (MAIN_OVERRIDES="k=v ..." changes the GPU 0 job too, e.g. to try a recipe change there while GPU 1 sweeps)
@@ -39,7 +40,7 @@ set -u
 STAGE=${1:?usage: gpu_session.sh start|smoke|bench|main|wait S|collect|disagg|hybrid}
 REPO=/tmp/repo             # a copy of the tree: the main job's runs/ and data/ live here, as for a user
 REPO2=/tmp/repo2           # the candidate's copy
-# The prompts: the first 48,000 of `mix-math`; or its first 96,000 (`PROMPTS=/tmp/mix-math-96k.jsonl.gz`, carry `.mix96`
+# The prompts: the first 48,000 of `mix-math`; or its first 96,000 (`PROMPTS=/tmp/mix-math-96k.jsonl.gz`, copy `.mix96`
 # instead of `.mix`, with MAIN_OVERRIDES="prepare.limit=96000 data.train_shards=data/smollm2-135m-mathmix96k-256"):
 # the weighted order makes the 48K file the 96K file's prefix.
 PROMPTS=${PROMPTS:-/tmp/mix-math-48k.jsonl.gz}
@@ -50,7 +51,7 @@ export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
 GPUS=$(nvidia-smi --list-gpus | wc -l)
 mkdir -p "$RES"
 
-bg() {  # name, command...: run in its own session, surviving this call; exit status in $RES/name.rc
+bg() {  # name, command...: run in its own session, surviving this command; exit status in $RES/name.rc
   local name=$1
   shift
   setsid bash -c "{ $*; } > $RES/$name.log 2>&1; echo \$? > $RES/$name.rc" < /dev/null > /dev/null 2>&1 &
@@ -59,7 +60,7 @@ bg() {  # name, command...: run in its own session, surviving this call; exit st
 # The speed benchmarks of BENCH_FIRST on GPU $1 ("paper", "smollm2" or both, comma-separated, in that order):
 # with SMOKE_FIRST=1 the GPU smoke tests first; per setting the training step with the kernel profile and the
 # latest ablations (train_bench.sh), and after the paper setting the peer in the same setting when .peer
-# was carried (benchmarks/peer_bench.sh). With FLEX_SWEEP=1, before the paper setting flex_kernel_bench.py times
+# was copied in (benchmarks/peer_bench.sh). With FLEX_SWEEP=1, before the paper setting flex_kernel_bench.py times
 # flex's kernel options on its mask and the fastest becomes one more ablation (2026-12-01: none beat the default);
 # every paper ablation times its drafter-only step too (ABLATION_DRAFTER_ONLY=0: not). Last, flex
 # attention's masks and tiles at the SmolLM2 shape (FLEX_FLAGS: one run per entry,
@@ -231,8 +232,8 @@ case "$STAGE" in
     cd "$REPO" && eval "$(smoke_command)" 2>&1 | tail -15
     ;;
   disagg)
-    # In the foreground (about 6 minutes for both settings); its JSON lands in $RES, packed by `collect` (a call
-    # brings back only a few files, so they travel in results.tgz).
+    # In the foreground (about 6 minutes for both settings); its JSON lands in $RES, packed by `collect` (copying
+    # a few files back is easier than many, so they travel in results.tgz).
     cd "$REPO" && OUT=$RES/disagg timeout 480 bash benchmarks/disagg_bench.sh 2>&1 | tail -12
     ;;
   hybrid)

@@ -104,8 +104,8 @@ QWEN36_27B_TRUNCATED = {**QWEN36_27B, "num_hidden_layers": 63, "layer_types": QW
 # Recipe overrides of the paper setting for this target: data labels (no LM head, early exit), its taps, and a mask
 # token above the synthetic documents' ids.
 HYBRID_OVERRIDES = (
-    # The paper recipe compiles the target's layers (fourth session); with fla inside and the per-document path
-    # (documents of 3072 and 2048 tokens) that is untested, and on 2026-12-01 (fifth session) the training phase
+    # The paper recipe compiles the target's layers (since e03dadb); with fla inside and the per-document path
+    # (documents of 3072 and 2048 tokens) that is untested, and on 2026-12-01 (commit a3c844a) the training phase
     # then ran past its 380 s limit. Eager, as the hybrid numbers before it were measured.
     "target.compile=false",
     "loss.label_source=data",

@@ -3,7 +3,7 @@
 # packed 8192-token rows of documents 3072 + 3072 + 2048, 1365 anchors per row, 5 layers, block 16, taps
 # [1, 9, 17, 25, 33], CE against the verifier's argmax with exp decay gamma 7, AdamW lr 6e-4, flex attention.
 # Usage on the GPU machine, from the repo root, with .peer/ = shared/peer-bench plus its wheels
-# (bash .peer/get-wheels.sh .peer/whl) carried:  OUT=... bash benchmarks/peer_bench.sh   -> $OUT/peer.json, peer.log
+# (bash .peer/get-wheels.sh .peer/whl) copied in:  OUT=... bash benchmarks/peer_bench.sh   -> $OUT/peer.json, peer.log
 set -u
 OUT=${OUT:-/tmp/peer_out}
 mkdir -p "$OUT"

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Training-step benchmark, both settings in one call, with an ablation per optimisation (issue 10 goals 1-2).
+# Training-step benchmark, both settings in one command, with an ablation per optimisation (issue 10 goals 1-2).
 # Usage on the GPU machine, from the repo root:  bash benchmarks/train_bench.sh    (results under $OUT)
 #   paper setting:  random Qwen3-8B-shaped target, packed 8192-token rows (recipes/bench-qwen3-8b.yaml)
 #   SmolLM2 setting: random SmolLM2-135M-shaped target, the GPU recipe's batch shape (recipes/bench-smollm2.yaml)

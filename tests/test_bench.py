@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from dflash_trainer import bench
 
@@ -30,6 +31,7 @@ def tiny_documents(rng: np.random.Generator) -> list[tuple[int, int]]:
     return [(int(rng.integers(48, 96)), 16) for _ in range(6)]
 
 
+@pytest.mark.slow
 def test_bench_times_every_phase_and_each_ablations_drafter_step(tmp_path, monkeypatch):
     """Phases in order: the drafter-only and end-to-end baselines, then per ablation its drafter-only step (with
     --drafter-only-ablations) and its end-to-end step; the JSON holds them all, each with its timed steps."""

@@ -7,6 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 from safetensors.torch import load_file
 
@@ -23,6 +24,7 @@ def run(args: list[str]) -> str:
     return proc.stdout
 
 
+@pytest.mark.slow
 def test_two_ranks_equal_one_rank_with_double_accumulation(tmp_path):
     target = save_tiny_target(tmp_path / "target")
     shards = write_counting_shards(tmp_path / "shards", num_samples=40)

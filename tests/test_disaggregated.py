@@ -47,7 +47,7 @@ from dflash_trainer.train.schedule import (
     target_slot,
 )
 from dflash_trainer.train.trainer import Trainer
-from test_failure import LIMIT_S, assert_every_rank_failed, run_failing
+from test_failure import LIMIT_S, assert_killed, run_failing
 from train_helpers import save_tiny_target, write_counting_shards, write_recipe
 
 SRC = Path(__file__).resolve().parents[1] / "src"
@@ -277,6 +277,7 @@ def slow_two_plus_one(cases):
     )
 
 
+@pytest.mark.slow
 def test_one_target_one_slow_drafter_equals_one_process_and_the_target_runs_ahead_then_waits(cases):
     """The drafter rank (1) sleeps SLOW_S per step: the target fills the drafter's receive queue and then its own
     window (queue_depth 2 each), blocks on the window, and the verdict says drafter-bound."""
@@ -311,6 +312,7 @@ def test_one_target_one_slow_drafter_equals_one_process_and_the_target_runs_ahea
     assert "in flight after a send 2.0 of queue_depth 2" in out, out
 
 
+@pytest.mark.slow
 def test_one_target_two_drafters_equals_one_process_with_a_short_last_step(cases):
     # 5 batches per epoch and M = 2: the third step of each epoch has one micro-batch, so drafter 2 has none.
     run_dir, _ = cases.disaggregated("one-plus-two", cases.odd, targets=1, drafters=2, grad_accum=1)
@@ -321,6 +323,7 @@ def test_one_target_two_drafters_equals_one_process_with_a_short_last_step(cases
     )
 
 
+@pytest.mark.slow
 def test_target_argmax_labels_travel_as_next_tokens_and_train_like_one_process(cases):
     """With target-argmax labels a target sends its greedy next tokens ([R, T] int64) in place of its final
     states, and the drafter's labels, hence its training, are those of one process."""
@@ -376,6 +379,7 @@ def test_a_feature_batch_carries_next_tokens_in_place_of_final_states():
     assert torch.equal(labels, (states @ head.T).argmax(dim=-1))
 
 
+@pytest.mark.slow
 def test_two_targets_one_slow_equal_one_process_and_the_drafter_waits(cases, slow_two_plus_one):
     run_dir, out = slow_two_plus_one
     assert_same_weights(final_weights(run_dir), final_weights(cases.reference(cases.even, grad_accum=2)))
@@ -393,6 +397,7 @@ def test_two_targets_one_slow_equal_one_process_and_the_drafter_waits(cases, slo
     assert "target0    target_forward" in out and "drafter2   recv_wait" in out
 
 
+@pytest.mark.slow
 def test_sigterm_to_the_launcher_checkpoints_and_resume_equals_the_uninterrupted_run(cases):
     placement = {"target_ranks": [0], "drafter_ranks": [1]}
     recipe = cases.recipe("resumed", cases.even, grad_accum=2, placement=placement, checkpoint={"every_steps": 100})
@@ -461,8 +466,7 @@ def test_five_targets_three_drafters_a_killed_target_fails_every_rank_and_the_sa
     out, seconds, status = run_failing(recipe, 8, "2:4:kill", "rank 2 kills itself")
     assert status != 0
     assert seconds < LIMIT_S, out
-    assert_every_rank_failed(out, 8)
-    assert "exitcode  : -9" in out
+    assert_killed(out, 2)
     run_dir = cases.root / "five-plus-three"
     # How far the drafters got before target 2 died is timing: the targets run up to queue_depth batches ahead, so
     # on a loaded machine target 2 can reach its third batch before the drafters finish step 2 (seen once in CI).

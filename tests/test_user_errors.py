@@ -25,7 +25,7 @@ from dflash_trainer import cli
 from dflash_trainer.config import load_config
 from dflash_trainer.data.prepare import PrepareError, prepare
 from dflash_trainer.data.shards import ShardError, ShardWriter, check_shards_tokenizer, tokenizer_fingerprint
-from dflash_trainer.errors import StorageError, UserError
+from dflash_trainer.errors import CorruptFileError, StorageError, UserError
 from dflash_trainer.export import export_drafter
 from dflash_trainer.model.drafter import DFlashDrafter
 from dflash_trainer.targets.loader import (
@@ -37,7 +37,7 @@ from dflash_trainer.targets.loader import (
 )
 from dflash_trainer.train.pipeline import run_training
 from model_helpers import tiny_drafter_config
-from train_helpers import MASK_TOKEN, VOCAB, save_tiny_target, write_recipe
+from train_helpers import MASK_TOKEN, VOCAB, save_tiny_target, write_counting_shards, write_recipe
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -453,3 +453,286 @@ def test_a_misspelt_evaluation_set_is_refused_before_training(tmp_path):
     with pytest.raises(UserError, match=r"unknown prompt set 'gsm8kk'"):
         run_training(config)
     assert not (tmp_path / "run").exists()
+
+
+# ------------------------------------------------------------------------------------------- hardening, round 2
+
+
+def test_a_plain_ctrl_c_names_the_signal(monkeypatch, capsys):
+    def interrupted(args):
+        raise KeyboardInterrupt  # what Python raises for a Ctrl-C: no text
+
+    monkeypatch.setattr(cli, "cmd_plot", interrupted)
+    code, err = run_main(["plot", "somewhere"], capsys)
+    assert code == 130
+    assert err.strip() == "interrupted (SIGINT); run the same command again to resume"
+
+
+def test_a_second_training_into_a_run_dir_in_use_is_refused(tmp_path, capsys, monkeypatch):
+    """Two trainings into one run_dir mixed their checkpoints and both exited 0; the second is refused now, by the
+    launcher too (before torchrun), and a lock outlives no holder."""
+    from dflash_trainer import launch
+    from dflash_trainer.distributed.world import World
+    from dflash_trainer.train.run_lock import LOCK_NAME, RunDirInUseError, hold_run_dir
+
+    config = tiny_run(tmp_path)
+    run_dir = tmp_path / "run"
+    with hold_run_dir(run_dir, World()):
+        with pytest.raises(RunDirInUseError, match=rf"run_dir {re.escape(str(run_dir))} is in use by another training"):
+            run_training(config)
+        monkeypatch.setattr(launch, "run_torchrun", lambda *args: pytest.fail("torchrun started"))
+        code, err = run_main(["train", str(tmp_path / "r.yaml"), "--nproc", "2", "target.device=cpu"], capsys)
+        assert_one_line_error(code, err, rf"^error: run_dir .* is in use by another training \(pid {os.getpid()} on ")
+    assert sorted(p.name for p in run_dir.iterdir()) == [LOCK_NAME]
+    with hold_run_dir(run_dir, World()):  # released when the holder left
+        pass
+
+
+def test_the_lock_of_a_killed_training_is_not_stale(tmp_path):
+    from dflash_trainer.train.run_lock import RunDirInUseError, check_not_in_use
+
+    run_dir = tmp_path / "run"
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import sys, time\n"
+            "from dflash_trainer.distributed.world import World\n"
+            "from dflash_trainer.train.run_lock import hold_run_dir\n"
+            f"with hold_run_dir({str(run_dir)!r}, World()):\n"
+            "    print('held', flush=True); time.sleep(600)\n",
+        ],
+        env={**os.environ, "PYTHONPATH": str(ROOT / "src")},
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        with pytest.raises(RunDirInUseError, match=rf"pid {holder.pid} on "):
+            check_not_in_use(run_dir)
+    finally:
+        holder.kill()  # SIGKILL: no clean-up code runs
+        holder.wait()
+    check_not_in_use(run_dir)  # the kernel dropped the lock with the process
+
+
+def test_a_refusal_after_start_up_leaves_no_run_dir(tmp_path):
+    """The mask token is checked once the target has loaded, after the run directory was taken."""
+    config = tiny_run(tmp_path, drafter={"mask_token_id": VOCAB - 2})
+    with pytest.raises(MaskTokenError, match=r"stop token"):
+        run_training(config)
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_mask_token_that_text_produces_is_refused_with_its_text(tiny_chat_tokenizer, tiny_qwen3):
+    with pytest.raises(MaskTokenError, match=r"mask_token_id=20 is the ordinary text token 'w11', which tokenising"):
+        check_mask_token_id(20, tiny_chat_tokenizer, tiny_qwen3.config, stop_token_ids=[2])
+    check_mask_token_id(5, tiny_chat_tokenizer, tiny_qwen3.config, stop_token_ids=[2])  # `<empty_output>`: special
+
+
+def corrupt(path: Path) -> None:
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])  # an interrupted copy
+
+
+def test_a_corrupt_target_weight_file_is_one_line_naming_it(tmp_path, capsys):
+    target = save_tiny_target(tmp_path / "target")
+    corrupt(target / "model.safetensors")
+    with pytest.raises(CorruptFileError, match=r"model\.safetensors: a weight file of target .* damaged or incomplete"):
+        load_target(str(target), device="cpu")
+    chats = write_chats(tmp_path / "chats.jsonl", ["w3"])
+    code, err = run_main(
+        ["prepare", "--input", str(chats), "--target", str(target), "--out", str(tmp_path / "o")], capsys
+    )
+    assert_one_line_error(code, err, rf"^error: {re.escape(str(target / 'model.safetensors'))}: a weight file")
+
+
+def test_a_corrupt_export_is_one_line_naming_it_for_eval_and_init_from(tmp_path, capsys):
+    target = save_tiny_target(tmp_path / "target")
+    drafter = tiny_drafter_config(
+        vocab_size=VOCAB, mask_token_id=MASK_TOKEN, hidden_size=64, head_dim=16, num_target_layers=6
+    )
+    export_drafter(DFlashDrafter(drafter), tmp_path / "d")
+    corrupt(tmp_path / "d" / "model.safetensors")
+    argv = ["eval", "--drafter", str(tmp_path / "d"), "--target", str(target), "--datasets", "gsm8k"]
+    code, err = run_main(argv, capsys)
+    assert_one_line_error(code, err, r"d/model\.safetensors: the drafter's weight file is damaged or incomplete")
+    # As drafter.init_from: refused right after the target loads, before any data work.
+    config = tiny_run(tmp_path, drafter={"init_from": str(tmp_path / "d")}, prepare={"source": "gsm8k:train"})
+    with pytest.raises(CorruptFileError, match=r"d/model\.safetensors"):
+        run_training(config)
+    assert not (tmp_path / "shards-chat").exists() and not (tmp_path / "run").exists()
+
+
+def test_an_empty_evaluation_set_is_refused_before_anything_loads(tmp_path, capsys, monkeypatch):
+    from dflash_trainer.train import pipeline
+
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("\n")
+    monkeypatch.setattr(pipeline, "load_target", lambda *a, **k: pytest.fail("loaded the target first"))
+    monkeypatch.setattr(pipeline, "load_drafter_any", lambda *a, **k: pytest.fail("loaded the drafter first"))
+    code, err = run_main(["eval", "--drafter", str(tmp_path), "--datasets", str(empty)], capsys)
+    assert_one_line_error(code, err, r"empty\.jsonl: holds no prompts \(an empty file\)")
+    config = tiny_run(tmp_path, eval={"at_end": True, "datasets": [str(empty)]})
+    with pytest.raises(UserError, match=r"empty\.jsonl: holds no prompts"):
+        run_training(config)
+    assert not (tmp_path / "run").exists()
+
+
+def test_nproc_runs_its_start_up_checks_before_torchrun(tmp_path, capsys, monkeypatch):
+    from dflash_trainer import launch
+
+    monkeypatch.setattr(launch, "run_torchrun", lambda *args: pytest.fail("torchrun started"))
+    tiny_run(tmp_path)
+    argv = ["train", str(tmp_path / "r.yaml"), "--nproc", "2", "--resume", str(tmp_path / "nope")]
+    code, err = run_main(argv, capsys)
+    assert_one_line_error(code, err, r"^error: checkpoint\.resume=.*nope: no such directory")
+    assert not (tmp_path / "run").exists()
+
+
+def test_more_ranks_than_gpus_is_one_line(monkeypatch):
+    from dflash_trainer.devices import check_local_ranks, local_rank_device
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    with pytest.raises(UserError, match=r"--nproc 4: this machine has 2 CUDA device\(s\) and each rank takes one"):
+        check_local_ranks("auto", 4)
+    check_local_ranks("auto", 2)
+    check_local_ranks("cpu", 8)  # CPU ranks (gloo) need no GPU
+    with pytest.raises(UserError, match=r"rank with LOCAL_RANK 3: this machine has 2 CUDA device\(s\)"):
+        local_rank_device(3)
+
+
+def test_a_shard_linked_outside_its_directory_is_refused(tmp_path):
+    from dflash_trainer.data.shards import load_shards
+
+    shards = tmp_path / "shards"
+    with ShardWriter(shards, "tiny", VOCAB) as writer:
+        writer.add("s", [1, 2, 3], [0, 1, 1])
+    outside = tmp_path / "elsewhere.jsonl"
+    (shards / "shard-00000.jsonl").rename(outside)
+    (shards / "shard-00000.jsonl").symlink_to(outside)
+    with pytest.raises(ShardError, match=r"shard-00000\.jsonl: is a symbolic link to .*elsewhere\.jsonl, outside"):
+        load_shards(shards)
+    inside = shards / "real.jsonl"
+    outside.rename(inside)
+    (shards / "shard-00000.jsonl").unlink()
+    (shards / "shard-00000.jsonl").symlink_to(inside)
+    assert len(load_shards(shards)) == 1  # a link within the directory is fine
+
+
+def test_the_prompt_tool_exports_name_colon_split_and_refuses_in_one_line(tmp_path, capsys):
+    from dflash_trainer.data import prompts
+
+    prompts.main(["gsm8k:test", "--export", str(tmp_path / "test.jsonl")])
+    assert len((tmp_path / "test.jsonl").read_text().splitlines()) == 200
+    with pytest.raises(SystemExit) as exited:
+        prompts.main(["gsm8kk:test", "--export", str(tmp_path / "x.jsonl")])
+    assert exited.value.code == 2
+    assert_one_line_error(2, capsys.readouterr().err, r"^error: unknown prompt set 'gsm8kk'")
+
+
+def test_a_gguf_copy_reuses_the_conversion_and_a_known_file_is_not_hashed_again(tmp_path, monkeypatch):
+    from dflash_trainer.targets import loader
+
+    conversions, hashed = [], []
+    real_hash = loader._sha256_of
+
+    def convert(path: Path, out_dir: Path) -> None:
+        conversions.append(path)
+        out_dir.mkdir(parents=True)
+        (out_dir / loader._CONVERSION_RECORD).write_text("{}")
+
+    monkeypatch.setattr(loader, "_write_conversion", convert)
+    monkeypatch.setattr(loader, "_sha256_of", lambda path: hashed.append(path) or real_hash(path))
+    first = tmp_path / "a" / "model.gguf"
+    first.parent.mkdir()
+    first.write_bytes(b"GGUF" + bytes(range(256)) * 64)
+    cache = str(tmp_path / "cache")
+    converted, _ = loader._model_source(str(first), cache_dir=cache)
+    assert loader._model_source(str(first), cache_dir=cache)[0] == converted
+    assert hashed == [first]  # the second load found the file by its identity
+    copy = tmp_path / "b" / "renamed.gguf"
+    copy.parent.mkdir()
+    copy.write_bytes(first.read_bytes())
+    assert loader._model_source(str(copy), cache_dir=cache)[0] == converted
+    assert conversions == [first] and hashed == [first, copy]
+    copy.write_bytes(b"GGUF" + bytes(range(255, -1, -1)) * 64)  # changed in place: another model
+    assert loader._model_source(str(copy), cache_dir=cache)[0] != converted
+    assert conversions == [first, copy]
+
+
+def test_a_target_load_error_that_is_no_input_problem_is_not_called_one(tmp_path, monkeypatch):
+    from dflash_trainer.targets import loader
+
+    target = save_tiny_target(tmp_path / "target")
+
+    def raising(error):
+        def from_pretrained(*args, **kwargs):
+            raise error
+
+        return from_pretrained
+
+    monkeypatch.setattr(loader.AutoModelForCausalLM, "from_pretrained", raising(torch.OutOfMemoryError("CUDA oom")))
+    with pytest.raises(TargetLoadError, match=r"out of memory on cpu while loading it"):
+        load_target(str(target), device="cpu")
+    monkeypatch.setattr(loader.AutoModelForCausalLM, "from_pretrained", raising(RuntimeError("a bug")))
+    with pytest.raises(RuntimeError, match="a bug") as caught:
+        load_target(str(target), device="cpu")
+    assert not isinstance(caught.value, UserError)  # a traceback and a bug report, not "your input"
+
+
+def test_grad_clip_zero_or_null_is_off(tmp_path):
+    from dflash_trainer.config import ConfigError
+    from dflash_trainer.train.trainer import Trainer
+
+    assert load_config(None, ["optim.grad_clip=0"]).optim.grad_clip == 0
+    assert load_config(None, ["optim.grad_clip=null"]).optim.grad_clip is None
+    with pytest.raises(ConfigError, match=r"optim\.grad_clip: must be >= 0 \(0 or null: off\)"):
+        load_config(None, ["optim.grad_clip=-1"])
+    # Off, the gradient the optimizer sees is the one backward left (its norm is the logged one), not a clipped one.
+    norms = {}
+    target, shards = save_tiny_target(tmp_path / "target"), write_counting_shards(tmp_path / "shards", num_samples=8)
+    for clip in (0, 1e-3):
+        recipe = write_recipe(
+            tmp_path / f"{clip}.yaml", tmp_path / f"run-{clip}", target, shards, optim={"grad_clip": clip}
+        )
+        config = load_config(recipe, ["train.max_steps=1"])
+        trainer = Trainer(config, log=lambda _: None)
+        real_step = trainer.optimizer.step
+
+        def step(*args, trainer=trainer, real_step=real_step, clip=clip, **kwargs):
+            grads = [p.grad.flatten() for p in trainer.drafter.parameters() if p.grad is not None]
+            norms[clip] = [float(torch.cat(grads).norm())]
+            return real_step(*args, **kwargs)
+
+        trainer.optimizer.step = step
+        trainer.fit()
+        norms[clip].append(float(trainer.last_grad_norm))  # the norm before any clipping
+    seen, unclipped = norms[0]
+    assert seen == pytest.approx(unclipped, rel=1e-5) and seen > 1e-2
+    assert norms[1e-3][0] == pytest.approx(1e-3, rel=1e-3)
+
+
+def test_a_saved_config_with_an_evaluation_source_still_rebuilds(tmp_path):
+    """The held-out-source rule is for new runs: `eval` and `export` rebuild the config of an older run."""
+    from dflash_trainer.config import ConfigError
+    from dflash_trainer.train.pipeline import run_config_of
+
+    (tmp_path / "config.yaml").write_text("prepare:\n  source: gsm8k\n")
+    assert run_config_of(tmp_path).prepare.source == "gsm8k"
+    with pytest.raises(ConfigError, match=r"prepare\.source: 'gsm8k' holds the 200 held-out"):
+        load_config(tmp_path / "config.yaml")
+
+
+def test_prepare_of_an_empty_file_says_it_is_empty(tmp_path, tiny_chat_tokenizer):
+    empty = tmp_path / "chats.jsonl"
+    empty.write_text("")
+    with pytest.raises(PrepareError, match=r"chats\.jsonl: no records to prepare \(empty input\)"):
+        prepare([empty], tiny_chat_tokenizer, "tiny", tmp_path / "out")
+
+
+def test_a_diverged_run_is_a_user_error():
+    from dflash_trainer.train.trainer import NonFiniteLossError
+
+    assert issubclass(NonFiniteLossError, UserError)

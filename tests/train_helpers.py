@@ -52,8 +52,13 @@ def save_tiny_target(out_dir: Path, *, hybrid: bool = False, seed: int = 0) -> P
     template = (
         "{% for m in messages %}w1 {{ m['content'] }} <eos> {% endfor %}{% if add_generation_prompt %}w2{% endif %}"
     )
+    # `<mask>` is a special token: an ordinary word would be refused as the mask token (text produces it).
     PreTrainedTokenizerFast(
-        tokenizer_object=tokenizer, pad_token="<pad>", eos_token="<eos>", chat_template=template
+        tokenizer_object=tokenizer,
+        pad_token="<pad>",
+        eos_token="<eos>",
+        additional_special_tokens=["<mask>"],
+        chat_template=template,
     ).save_pretrained(out_dir)
     return out_dir
 

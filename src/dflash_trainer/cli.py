@@ -106,10 +106,17 @@ def cmd_train(args: argparse.Namespace) -> int:
         overrides.append(f"metrics.profile_interval={args.profile_interval}")
     config = load_config(resolve_recipe(recipe), overrides)
     if args.nproc and args.nproc > 1 and "LOCAL_RANK" not in os.environ:
+        from .devices import check_local_ranks
         from .distributed.roles import check_placement
         from .launch import run_torchrun
+        from .train.pipeline import startup_checks
+        from .train.run_lock import check_not_in_use
 
+        # Here, not in the ranks: a mistake is one line before torchrun starts (and prints nothing of its own).
         check_placement(config.placement, args.nproc)
+        check_local_ranks(config.target.device, args.nproc)
+        startup_checks(config)
+        check_not_in_use(config.run_dir)
         return run_torchrun(args.nproc, without_option(args.argv, "--nproc"))
     from .launch import train_rank
 
@@ -464,7 +471,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {error}", file=sys.stderr)
         return 2
     except KeyboardInterrupt as interrupt:
-        print(f"interrupted ({interrupt or 'SIGINT'}); run the same command again to resume", file=sys.stderr)
+        # A plain Ctrl-C raises KeyboardInterrupt() with no text; launch.StopFlag's carries the signal's name.
+        print(f"interrupted ({str(interrupt) or 'SIGINT'}); run the same command again to resume", file=sys.stderr)
         return 130
     except OSError as error:
         if not is_storage_error(error):

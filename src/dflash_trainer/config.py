@@ -265,14 +265,15 @@ class OptimConfig:
     eps: float = 1e-8
     warmup_ratio: float = 0.04
     min_lr_ratio: float = 0.0
-    grad_clip: float = 1.0
+    # Clip the gradient's global norm to this; 0 or null: no clipping (the norm is still measured and logged).
+    grad_clip: float | None = 1.0
     grad_accum: int = 1
 
     def validate(self) -> None:
         _require(self.lr > 0, "optim.lr", "must be > 0")
         _require(self.weight_decay >= 0, "optim.weight_decay", "must be >= 0")
         _require(self.eps > 0, "optim.eps", "must be > 0")
-        _require(self.grad_clip > 0, "optim.grad_clip", "must be > 0")
+        _require(self.grad_clip is None or self.grad_clip >= 0, "optim.grad_clip", "must be >= 0 (0 or null: off)")
         _require(0.0 <= self.min_lr_ratio <= 1.0, "optim.min_lr_ratio", "must be in [0, 1]")
         _require(all(0.0 <= beta < 1.0 for beta in self.betas), "optim.betas", "must be in [0, 1)")
         _require(0.0 <= self.warmup_ratio < 1.0, "optim.warmup_ratio", "must be in [0, 1)")
@@ -401,6 +402,11 @@ class PrepareConfig:
             "prepare.endpoint.base_url",
             "must name the server for prepare.engine=openai (e.g. http://localhost:8000/v1)",
         )
+
+    def check_source_holds_no_evaluation_prompts(self) -> None:
+        """Refuse a training source that holds held-out evaluation prompts. Checked where a recipe is loaded to
+        train (`load_config`), not in `validate`: the saved config of a run from before this rule (e.g.
+        `prepare.source: gsm8k`) must still rebuild for `eval` and `export`."""
         problem = _held_out_source_problem(self.source)
         _require(problem is None, "prepare.source", problem or "")
 
@@ -603,14 +609,17 @@ def _set_dotted(tree: dict[str, Any], path: list[str], value: Any) -> None:
 
 
 def load_config(recipe: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> RunConfig:
-    """Build a RunConfig from a YAML recipe (or the defaults) plus dotted overrides."""
+    """Build a RunConfig from a YAML recipe (or the defaults) plus dotted overrides, to run it (a saved config is
+    rebuilt with `config_from_dict`, which skips the rules for new runs)."""
     tree: dict[str, Any] = {}
     if recipe is not None:
         tree = _read_recipe(Path(recipe))
     for text in overrides:
         path_parts, value = _parse_override(text)
         _set_dotted(tree, path_parts, value)
-    return _build(RunConfig, tree)
+    config = _build(RunConfig, tree)
+    config.prepare.check_source_holds_no_evaluation_prompts()
+    return config
 
 
 def _read_recipe(path: Path) -> dict[str, Any]:

@@ -7,7 +7,9 @@
   of the file is computed from the bytes as they are written (no second read of gigabytes); and the file is
   fsync'd before anyone renames the directory holding it. Tensors are laid out largest element size first,
   so with the 8-byte aligned header every tensor starts at a multiple of its element size. Reading stays with
-  `safetensors.torch.load_file` (the reference parser).
+  `safetensors.torch.load_file` (the reference parser), through `read_safetensors`, which names the file when it
+  is damaged (`CorruptFileError`; the parser's own message names none); `check_safetensors_file` parses only the
+  header (a truncated or overwritten file fails there), for files another library reads (a target's weights).
 - `write_bytes` does the same for small files (JSON, YAML); `file_digest` recomputes a file's digest for
   verification at load; `fsync_dir` makes a rename inside a directory durable.
 """
@@ -23,6 +25,10 @@ from pathlib import Path
 from typing import BinaryIO
 
 import torch
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import load_file
+
+from .errors import CorruptFileError
 
 SAFETENSORS_DTYPES = {
     torch.float64: "F64",
@@ -70,15 +76,14 @@ class _DigestWriter:
         return FileDigest(bytes=self.count, sha256=self.hash.hexdigest())
 
 
-def safetensors_size(tensors: dict[str, torch.Tensor]) -> int:
-    """Bytes of tensor data in a safetensors file of `tensors` (the header adds a few KiB)."""
-    return sum(tensor.numel() * tensor.element_size() for tensor in tensors.values())
+def safetensors_file_size(tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None) -> int:
+    """The exact size in bytes of the file `write_safetensors(path, tensors, metadata)` writes."""
+    header, _ = _header(tensors, metadata)
+    return 8 + len(header) + sum(tensor.numel() * tensor.element_size() for tensor in tensors.values())
 
 
-def write_safetensors(
-    path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None
-) -> FileDigest:
-    """Write `tensors` (CPU or device; copied to CPU one at a time) as a safetensors file, fsync'd."""
+def _header(tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None) -> tuple[bytes, list[str]]:
+    """(the padded JSON header, the tensors' names in file order)."""
     order = sorted(tensors, key=lambda name: (-tensors[name].element_size(), name))
     header: dict[str, object] = {}
     offset = 0
@@ -96,7 +101,14 @@ def write_safetensors(
     if metadata:
         header["__metadata__"] = dict(metadata)
     header_bytes = json.dumps(header, separators=(",", ":")).encode("utf-8")
-    header_bytes += b" " * (-len(header_bytes) % 8)
+    return header_bytes + b" " * (-len(header_bytes) % 8), order
+
+
+def write_safetensors(
+    path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None
+) -> FileDigest:
+    """Write `tensors` (CPU or device; copied to CPU one at a time) as a safetensors file, fsync'd."""
+    header_bytes, order = _header(tensors, metadata)
     with path.open("wb") as file:
         writer = _DigestWriter(file)
         writer.write(struct.pack("<Q", len(header_bytes)))
@@ -136,3 +148,28 @@ def fsync_dir(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def _corrupt(path: Path, what: str, error: BaseException) -> CorruptFileError:
+    problem = next((line for line in str(error).splitlines() if line.strip()), type(error).__name__)
+    return CorruptFileError(
+        f"{path}: {what} is damaged or incomplete, not a readable safetensors file ({problem}); copy or write it again"
+    )
+
+
+def check_safetensors_file(path: Path, *, what: str = "this file") -> None:
+    """Parse the header of safetensors file `path` (tensor names, dtypes, offsets covering the file exactly) without
+    reading the tensors; CorruptFileError naming the file when it does not parse."""
+    try:
+        with safe_open(str(path), framework="pt"):
+            pass
+    except (SafetensorError, OSError, ValueError) as error:
+        raise _corrupt(path, what, error) from error
+
+
+def read_safetensors(path: Path, *, what: str = "this file", device: str = "cpu") -> dict[str, torch.Tensor]:
+    """`safetensors.torch.load_file(path)`, with a damaged file reported as CorruptFileError naming it."""
+    try:
+        return load_file(str(path), device=device)
+    except (SafetensorError, ValueError) as error:
+        raise _corrupt(path, what, error) from error

@@ -8,7 +8,8 @@ for a failing rank). Every other exception is a bug of this package and keeps it
 
 The project's own error types derive from `UserError` (often also from the built-in type they used to be, such
 as ValueError, so existing `except ValueError` code keeps working): `ConfigError`, `TargetLoadError`,
-`PrepareError`, `RecordError`, `ShardError`, `CheckpointFormatError`, `CheckpointError`, `StorageError`, ...
+`PrepareError`, `RecordError`, `ShardError`, `CheckpointFormatError`, `CheckpointError`, `StorageError`,
+`CorruptFileError`, ...
 
 `StorageError` turns an OSError from writing (no space left, read-only filesystem, permission, quota) into a
 message that names what was being written and where: the raw OSError of a full disk reaches the user as
@@ -45,6 +46,11 @@ def refuse_file_as_directory(out_dir: Path) -> None:
     """An output directory that is an existing file is refused before any work (mkdir would fail after it)."""
     if out_dir.exists() and not out_dir.is_dir():
         raise OutputExistsError(f"{out_dir}: exists and is not a directory")
+
+
+class CorruptFileError(UserError, ValueError):
+    """A file the command reads is damaged or incomplete (a truncated copy, overwritten bytes); the message names
+    it. Raised by the readers of `durable_io` for safetensors files: target weights, exports, checkpoints."""
 
 
 class StorageError(UserError, OSError):

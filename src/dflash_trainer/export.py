@@ -62,9 +62,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file
 
-from .durable_io import fsync_dir, write_bytes, write_safetensors
+from .durable_io import fsync_dir, read_safetensors, write_bytes, write_safetensors
 from .errors import OutputExistsError, UserError, is_storage_error, refuse_file_as_directory, storage_error
 from .model.config import FULL_ATTENTION, SLIDING_ATTENTION, DrafterModelConfig, default_target_layer_ids
 from .model.drafter import DFlashDrafter
@@ -442,7 +441,7 @@ def _sliding_causal(data: dict[str, Any], dflash: dict[str, Any], layer_types: l
 
 def _read_export_weights(path: Path) -> dict[str, torch.Tensor]:
     if (path / WEIGHTS_FILE).is_file():
-        return load_file(str(path / WEIGHTS_FILE))
+        return read_safetensors(path / WEIGHTS_FILE, what="the drafter's weight file")
     index_path = path / WEIGHTS_INDEX_FILE
     if not index_path.is_file():
         raise CheckpointFormatError(f"{path}: no {WEIGHTS_FILE} (nor {WEIGHTS_INDEX_FILE})")
@@ -451,7 +450,7 @@ def _read_export_weights(path: Path) -> dict[str, torch.Tensor]:
         raise CheckpointFormatError(f"{index_path}: weight_map: missing")
     state: dict[str, torch.Tensor] = {}
     for shard in sorted(set(weight_map.values())):
-        state.update(load_file(str(path / shard)))
+        state.update(read_safetensors(path / shard, what="a shard of the drafter's weights"))
     return state
 
 
@@ -532,7 +531,8 @@ def load_training_drafter(
     weights = path / CHECKPOINT_WEIGHTS_FILE
     if not weights.is_file():
         raise CheckpointFormatError(f"{path}: no {CHECKPOINT_WEIGHTS_FILE}")
-    return _build_drafter(config, load_file(str(weights)), source=path, device=device, dtype=dtype)
+    state = read_safetensors(weights, what="the drafter's weight file")
+    return _build_drafter(config, state, source=path, device=device, dtype=dtype)
 
 
 def _read_json(path: Path) -> dict[str, Any]:

@@ -6,14 +6,20 @@ in the disaggregated placement, rank 0 otherwise) and the process exits 0. A sec
 exception on any rank fails the whole job within seconds with its traceback printed once
 (`distributed/failure.py`).
 
-Several local ranks (`run_torchrun`, behind `dflash-trainer train --nproc N`): torchrun starts N ranks; it runs
-in its own session so a Ctrl-C in the terminal reaches only this launcher, which forwards the first SIGINT,
-SIGTERM or SIGHUP (as SIGTERM: a closed terminal stops the run with a checkpoint) to torchrun exactly once
-(torchrun passes it on to every rank; a second signal sent to torchrun itself would abort its shutdown and leave
-the ranks behind). torchrun gives the ranks its shutdown timeout (30 s,
-`--shutdown-timeout` / TORCH_ELASTIC_SHUTDOWN_TIMEOUT) to finish the step and write the checkpoint before it
-kills them; raise it for drafters whose checkpoint takes longer. torchrun reports its own stop signal as a
-failure (exit status 1 and a SignalException traceback) even when every rank stopped cleanly.
+Several local ranks (`run_torchrun`, behind `dflash-trainer train --nproc N`): the command line's checks run
+first, here (cli.py: the recipe, run directory, `--resume`, GPUs for N ranks), so a mistake is one line and
+torchrun never starts. torchrun then starts N ranks; it runs in its own session so a Ctrl-C in the terminal
+reaches only this launcher, which passes the first SIGINT, SIGTERM or SIGHUP (as SIGTERM: a closed terminal
+stops the run with a checkpoint) straight to the ranks, torchrun's children: they stop as one process does (a
+checkpoint, or at once before training) and torchrun sees them end by themselves, so it prints nothing and
+exits 0 (a signal sent to torchrun instead makes it print a SignalException traceback and exit 1 even when every
+rank stopped cleanly). A second signal is passed on too: the ranks exit at once, without a checkpoint. Before
+the ranks exist the signal goes to torchrun.
+
+Exit status: the launcher's is the job's. The first rank to fail writes its status (2 for a user error, 130
+for an interrupt, 1 for a bug; distributed/failure.py) into a file the launcher names in the environment, and
+then every rank exits 0, so that torchrun adds no report of its own to the rank's one line; the launcher
+returns the recorded status, else torchrun's.
 `regenerate --nproc N` starts its ranks the same way; each runs `run_rank`.
 
 Several machines: run torchrun on each with the usual rendezvous, e.g.
@@ -23,11 +29,14 @@ Several machines: run torchrun on each with the usual rendezvous, e.g.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
 import sys
+import tempfile
 from collections.abc import Callable
+from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING
 
@@ -89,35 +98,44 @@ def torchrun_command(nproc: int, argv: list[str]) -> list[str]:
 
 
 def run_torchrun(nproc: int, argv: list[str]) -> int:
-    """Run `argv` on `nproc` local ranks under torchrun; forward the first stop signal; return its status."""
-    proc = subprocess.Popen(torchrun_command(nproc, argv), start_new_session=True)
+    """Run `argv` on `nproc` local ranks under torchrun; pass stop signals to the ranks; return the job's status
+    (module docstring)."""
+    from .distributed.failure import STATUS_FILE_ENV
+
+    descriptor, status_file = tempfile.mkstemp(prefix="dflash-trainer-status-")
+    os.close(descriptor)
+    env = {**os.environ, STATUS_FILE_ENV: status_file}
+    proc = subprocess.Popen(torchrun_command(nproc, argv), start_new_session=True, env=env)
     forwarded: list[str] = []
 
     def forward(signum: int, frame: FrameType | None) -> None:
         name = signal.Signals(signum).name
-        if forwarded:
-            print(
-                f"launcher: {name} again: already stopping (torchrun kills ranks still running after its "
-                "shutdown timeout)",
-                file=sys.stderr,
-                flush=True,
-            )
-            return
-        forwarded.append(name)
-        print(f"launcher: {name}: passing it to the ranks through torchrun", file=sys.stderr, flush=True)
         # The ranks checkpoint on SIGINT/SIGTERM only; SIGHUP would end them without one.
-        proc.send_signal(signal.SIGTERM if signum == signal.SIGHUP else signum)
+        sent = signal.SIGTERM if signum == signal.SIGHUP else signal.Signals(signum)
+        ranks = child_pids(proc.pid)
+        if forwarded:
+            print(f"launcher: {name} again: the ranks exit now, without a checkpoint", file=sys.stderr, flush=True)
+        else:
+            print(f"launcher: {name}: passing it to the ranks", file=sys.stderr, flush=True)
+        forwarded.append(name)
+        for pid in ranks or [proc.pid]:  # no ranks yet: torchrun stops the start
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, sent)
 
     previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
     try:
         status = proc.wait()
+        recorded = Path(status_file).read_text().strip()
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-    if forwarded:
+        Path(status_file).unlink(missing_ok=True)
+    if recorded.isdigit():
+        status = int(recorded)
+    if forwarded and status == 0:
         print(
-            f"launcher: stopped by {forwarded[0]}; torchrun exit status {status}. The ranks' output above says "
-            "where the checkpoint is; the same command resumes from it.",
+            f"launcher: stopped by {forwarded[0]}; the ranks' output above says where the checkpoint is; the same "
+            "command resumes from it.",
             file=sys.stderr,
             flush=True,
         )
@@ -136,6 +154,20 @@ def run_rank(main: Callable[[World], object], *, device: str = "auto") -> int:
     failures.run(lambda: main(world))
     shutdown_world(world)
     return 0
+
+
+def child_pids(pid: int) -> list[int]:
+    """The processes whose parent is `pid` (torchrun's ranks), from /proc; empty where there is none (not Linux)."""
+    children = Path(f"/proc/{pid}/task/{pid}/children")
+    with contextlib.suppress(OSError):
+        return [int(text) for text in children.read_text().split()]
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            # `pid (comm) state ppid ...`: comm may hold spaces and parentheses, so split after its last ')'.
+            if int(stat.read_text().rsplit(")", 1)[1].split()[1]) == pid:
+                found.append(int(stat.parent.name))
+    return found
 
 
 def train_rank(config: RunConfig) -> int:

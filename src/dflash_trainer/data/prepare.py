@@ -334,6 +334,11 @@ def prepare(
         summary.skipped = dict(skipped)
         if summary.samples == 0:
             # Raised inside the writer's block so the empty temporary directory is discarded.
+            if summary.records == 0:
+                raise PrepareError(
+                    f"{', '.join(str(p) for p in paths)}: no records to prepare (empty input); give chat records, "
+                    "one JSON object per line"
+                )
             raise PrepareError(f"no sample left to write; {summary.format()}")
     return summary
 

@@ -27,11 +27,13 @@ from __future__ import annotations
 import argparse
 import gzip
 import json
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 from dflash_trainer.data.chat import RecordError, normalize_record
+from dflash_trainer.errors import UserError
 
 from . import mixture
 from .sources import chitchat, olmo_eval, openai_evals, reasoning_gym
@@ -113,7 +115,7 @@ PROMPT_SETS: dict[str, PromptSet] = {
         PromptSet(
             openai_evals.NAME,
             openai_evals.PACKAGE,
-            "MIT; some evals' data carry their own (package LICENSE.md)",
+            "MIT; some evals' data have their own licences (package LICENSE.md)",
             "chat prompts of the OpenAI Evals registry (at most 300 per eval)",
             "`input` chat turns of `registry/data/<eval>/*.jsonl`, `ideal` as reference; at most 300 per eval",
             openai_evals.EXCLUDED_EVALS,
@@ -237,16 +239,21 @@ def split_set_name(text: str, default_split: str) -> tuple[str, str]:
 
 
 def check_prompt_set_name(text: str, default_split: str) -> None:
-    """Refuse a prompt set that `load_prompt_set` would refuse for its name or split, without loading it (a mixture
-    takes a minute to build): what a run checks before training for the sets it evaluates on at the end."""
+    """Refuse a prompt set that `load_prompt_set` would refuse for its name or split, without loading a built-in set
+    (a mixture takes a minute to build); a prompt file is read (it is small): missing, empty or malformed, it is
+    refused now. What `train` and `eval` check before the target loads, for the sets they evaluate on."""
     name, split = split_set_name(text, default_split)
     if split not in SPLITS:
         raise PromptSetError(f"prompt set {text!r}: unknown split {split!r}, expected one of {SPLITS}")
     if name in MIXTURES and split == "test":
         raise PromptSetError(f"mixture {name!r} has no test split: use {name}:train (evaluate on gsm8k:test)")
-    if name not in PROMPT_SETS and name not in MIXTURES and not (name.endswith(".jsonl") or Path(name).is_file()):
-        choices = sorted([*PROMPT_SETS, *MIXTURES])
-        raise PromptSetError(f"unknown prompt set {name!r}: expected one of {choices} or a path to a .jsonl file")
+    if name in PROMPT_SETS or name in MIXTURES:
+        return
+    if name.endswith(".jsonl") or Path(name).is_file():
+        _load_jsonl(Path(name))  # a file is read whole (a missing, empty or malformed one is refused now)
+        return
+    choices = sorted([*PROMPT_SETS, *MIXTURES])
+    raise PromptSetError(f"unknown prompt set {name!r}: expected one of {choices} or a path to a .jsonl file")
 
 
 def load_prompt_set(name: str, split: str = "test", limit: int | None = None) -> list[Prompt]:
@@ -319,6 +326,20 @@ def _load_builtin(name: str, split: str, caps: Caps, tally: Tally) -> list[Promp
 def _load_jsonl(path: Path) -> list[Prompt]:
     if not path.is_file():
         raise PromptSetError(f"{path}: prompt file not found")
+    try:
+        prompts = _jsonl_prompts(path)
+    except UnicodeDecodeError as error:
+        raise PromptSetError(f"{path}: not UTF-8 text ({error.reason} at byte {error.start})") from None
+    except (OSError, EOFError) as error:  # unreadable, or a truncated .gz
+        raise PromptSetError(f"{path}: cannot read: {getattr(error, 'strerror', None) or error}") from None
+    if not prompts:
+        # Refused here, where every command reads prompt files: an empty set has no tau to measure and nothing to
+        # regenerate, and would fail later with an error of its own far from the file.
+        raise PromptSetError(f"{path}: holds no prompts (an empty file); give a file with one record per line")
+    return prompts
+
+
+def _jsonl_prompts(path: Path) -> list[Prompt]:
     prompts = []
     for line_no, record in read_jsonl(path):
         try:
@@ -366,11 +387,21 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--split", default="train", choices=SPLITS, help="with --export: the split (default train)")
     parser.add_argument("--limit", type=int, default=None, help="with --export: the first N prompts")
     args = parser.parse_args(argv)
+    try:
+        _run(parser, args)
+    except UserError as error:  # one line, as the dflash-trainer command prints it (errors.py)
+        print(f"error: {error}", file=sys.stderr)
+        raise SystemExit(2) from None
+
+
+def _run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     if args.export is not None:
         if args.name is None:
             parser.error("--export needs a prompt-set or mixture name")
-        count = export_prompts(load_prompt_set(args.name, split=args.split, limit=args.limit), args.export)
-        print(f"{args.name}:{args.split}: {count:,} prompts -> {args.export}")
+        # `NAME:SPLIT`, as training and `eval` take it; --split is the split of a bare name.
+        name, split = split_set_name(args.name, args.split)
+        count = export_prompts(load_prompt_set(name, split=split, limit=args.limit), args.export)
+        print(f"{name}:{split}: {count:,} prompts -> {args.export}")
         return
     if args.name is None:
         for name, description in list_prompt_sets().items():

@@ -486,6 +486,7 @@ def load_shards(
         raise ValueError(f"max_seq_len must be >= 1, got {max_seq_len}")
     root = Path(path)
     manifest_path = root / MANIFEST_NAME
+    _refuse_link_outside(manifest_path, root)
     manifest = _read_manifest(manifest_path)
     vocab = manifest["vocab_size"] if vocab_size is None else vocab_size
     if not 1 <= vocab <= MAX_VOCAB_SIZE:
@@ -495,6 +496,7 @@ def load_shards(
     totals = {"num_samples": 0, "num_tokens": 0, "num_loss_tokens": 0}
     for entry in manifest["shards"]:
         shard_path = root / entry["file"]
+        _refuse_link_outside(shard_path, root)
         counts = _read_shard(shard_path, vocab_size=vocab, collector=collector)
         for key in ("num_samples", "num_tokens"):
             if counts[key] != entry[key]:
@@ -516,6 +518,19 @@ def load_shards(
         why = f"{collector.skipped} dropped by max_seq_len={max_seq_len}" if collector.skipped else "it holds none"
         raise ShardError(f"no samples to train on ({why})", file=root)
     return collector.build(manifest)
+
+
+def _refuse_link_outside(shard_path: Path, root: Path) -> None:
+    """A shard file must lie in its directory: a symbolic link that leads elsewhere would have the loader read (and
+    a later error message quote) a file the manifest does not own. Links within the directory are fine."""
+    if not shard_path.is_symlink():
+        return
+    resolved, home = shard_path.resolve(), root.resolve()
+    if not resolved.is_relative_to(home):
+        raise ShardError(
+            f"is a symbolic link to {resolved}, outside the shard directory; copy the file in instead of linking it",
+            file=shard_path,
+        )
 
 
 def _read_manifest(path: Path) -> dict[str, Any]:

@@ -23,12 +23,22 @@ tests/test_disaggregated.py; both are no-ops when unset):
   DFLASH_TEST_DISK_FULL=WHAT                 writing WHAT (`checkpoint`) raises OSError(ENOSPC) after its first
                                              file, as a full disk does (`injected_write_fault`)
 
-A user error (`errors.UserError`: a full disk, a bad checkpoint...) is printed as one line, `[rank R] error:
-MESSAGE`, instead of a traceback; anything else is a bug and keeps its traceback.
+What a failure prints and the exit status, per kind (the slot records the first failure's rank and kind, so the
+other ranks say accurately what happened): a user error (`errors.UserError`: a full disk, a bad checkpoint...)
+is one line, `[rank R] error: MESSAGE`, exit status 2; an interrupt before training started (Ctrl-C while the
+target loads) is one line, status 130; anything else is a bug: its traceback, status 1. The other ranks print
+one line naming the first failure and exit with its status.
+
+Under `dflash-trainer train --nproc` (launch.py) the launcher reports the job's status itself: it names a file
+in DFLASH_LAUNCH_STATUS_FILE, the first failing rank writes its exit status there, and every rank then exits 0 so
+that torchrun adds no failure report of its own (a traceback of its ChildFailedError) to the one line above; a
+rank that cannot write the file exits with the real status. Under a plain torchrun the ranks exit with their
+real status (torchrun then reports the job as failed, status 1).
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import errno
 import os
@@ -39,6 +49,7 @@ import time
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import NoReturn, TypeVar
 
 import torch.distributed as dist
@@ -53,7 +64,16 @@ STORE_TIMEOUT_S = 10.0
 FAIL_ENV = "DFLASH_TEST_FAIL_AT_STEP"
 SLOW_ENV = "DFLASH_TEST_SLOW_RANK"
 DISK_FULL_ENV = "DFLASH_TEST_DISK_FULL"
+# Set by launch.run_torchrun: where the first failing rank writes the job's exit status.
+STATUS_FILE_ENV = "DFLASH_LAUNCH_STATUS_FILE"
 _SLOT = "first_failed_rank"
+# Exit status and what the other ranks say, per kind of failure.
+EXIT_STATUS = {"user": 2, "interrupt": 130, "bug": 1}
+_WHAT_HAPPENED = {
+    "user": "failed (its error is above)",
+    "interrupt": "was interrupted",
+    "bug": "failed (its traceback is above)",
+}
 
 T = TypeVar("T")
 
@@ -85,18 +105,19 @@ class FailureChannel:
         attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
         return cls(dist.PrefixStore(f"dflash/failure/{attempt}/", store), world.rank, label)
 
-    def first_failed_rank(self) -> int | None:
+    def first_failure(self) -> tuple[int, str] | None:
+        """(rank, kind) of the job's first failure, None while there is none."""
         if self.store is None or not self.store.check([_SLOT]):
             return None
-        return int(self.store.get(_SLOT))
+        return _parse_slot(self.store.get(_SLOT))
 
-    def claim(self) -> int | None:
-        """Record this rank as the first failure unless another rank was first; return the first failed rank
-        (None when the store cannot be reached)."""
+    def claim(self, kind: str) -> tuple[int, str] | None:
+        """Record this rank's failure of `kind` as the first unless another rank was first; return the first
+        failure's (rank, kind) (None when the store cannot be reached)."""
         if self.store is None:
-            return self.rank
+            return self.rank, kind
         try:
-            return int(self.store.compare_set(_SLOT, "", str(self.rank)))
+            return _parse_slot(self.store.compare_set(_SLOT, "", f"{self.rank}:{kind}"))
         except (RuntimeError, dist.DistError):
             return None
 
@@ -113,20 +134,29 @@ class FailureChannel:
             self._stop_watching.set()
 
     def fail(self, error: BaseException) -> NoReturn:
-        first = self.claim()
-        if first is None or first == self.rank:
-            if isinstance(error, UserError) or is_storage_error(error):
+        kind = failure_kind(error)
+        first = self.claim(kind)
+        if first is None or first[0] == self.rank:
+            if kind == "user":
                 print(f"[{self.label}] error: {error}", file=sys.stderr)
+            elif kind == "interrupt":
+                print(
+                    f"[{self.label}] interrupted ({str(error) or 'SIGINT'}); run the same command again to resume",
+                    file=sys.stderr,
+                )
             else:
                 print(f"[{self.label}] failed; the job stops:", file=sys.stderr)
                 traceback.print_exception(error, file=sys.stderr)
-        else:
+            status = EXIT_STATUS[kind]
+            _exit_now(0 if _record_job_status(status) else status)
+        first_rank, first_kind = first
+        if not (kind == "interrupt" and first_kind == "interrupt"):  # every rank got the same Ctrl-C: nothing to add
             summary = f"{type(error).__name__}: {error}".splitlines()[0][:300]
             print(
-                f"[{self.label}] stopping because rank {first} failed (its traceback is above); here: {summary}",
+                f"[{self.label}] stopping because rank {first_rank} {_WHAT_HAPPENED[first_kind]}; here: {summary}",
                 file=sys.stderr,
             )
-        _exit_now(1)
+        _exit_after(first_kind)
 
     def start_watching(self, poll_s: float = POLL_S) -> None:
         threading.Thread(target=self._watch, args=(poll_s,), name="dflash-failure-watch", daemon=True).start()
@@ -134,14 +164,52 @@ class FailureChannel:
     def _watch(self, poll_s: float) -> None:
         while not self._stop_watching.wait(poll_s):
             try:
-                first = self.first_failed_rank()
+                first = self.first_failure()
             except (RuntimeError, dist.DistError):
                 # The store's host is gone (a normal end on a job without an agent store): nothing left to watch.
                 return
-            if first is not None and first != self.rank:
+            if first is not None and first[0] != self.rank:
                 time.sleep(GRACE_S)
-                print(f"[{self.label}] stopping because rank {first} failed (its traceback is above)", file=sys.stderr)
-                _exit_now(1)
+                print(f"[{self.label}] stopping because rank {first[0]} {_WHAT_HAPPENED[first[1]]}", file=sys.stderr)
+                _exit_after(first[1])
+
+
+def failure_kind(error: BaseException) -> str:
+    """`user` (a UserError or a storage fault: one line), `interrupt` (Ctrl-C before training), or `bug`."""
+    if isinstance(error, UserError) or is_storage_error(error):
+        return "user"
+    if isinstance(error, KeyboardInterrupt):
+        return "interrupt"
+    return "bug"
+
+
+def _parse_slot(value: bytes) -> tuple[int, str]:
+    rank, _, kind = value.decode().partition(":")
+    return int(rank), kind if kind in EXIT_STATUS else "bug"
+
+
+def _record_job_status(status: int) -> bool:
+    """Under the launcher, write the job's exit status for it (module docstring); True when written."""
+    path = os.environ.get(STATUS_FILE_ENV)
+    if not path:
+        return False
+    try:
+        with open(path, "w") as file:
+            file.write(f"{status}\n")
+    except OSError:
+        return False
+    return True
+
+
+def _exit_after(first_kind: str) -> NoReturn:
+    """A rank stopping for another rank's failure: 0 under the launcher once the status is recorded, else the
+    first failure's status."""
+    path = os.environ.get(STATUS_FILE_ENV)
+    recorded = False
+    if path:
+        with contextlib.suppress(OSError):
+            recorded = bool(Path(path).read_text().strip())
+    _exit_now(0 if recorded else EXIT_STATUS[first_kind])
 
 
 def injected_write_fault(what: str) -> None:

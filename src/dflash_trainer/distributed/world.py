@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from ..devices import resolve_device
+from ..devices import local_rank_device, resolve_device
 
 
 @dataclass
@@ -47,8 +47,8 @@ def init_world(device: str = "auto", *, timeout_s: float = 60.0) -> World:
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if use_cuda:
-        torch.cuda.set_device(local_rank)
-        chosen, backend = torch.device("cuda", local_rank), "nccl"
+        chosen, backend = local_rank_device(local_rank), "nccl"
+        torch.cuda.set_device(chosen)
     else:
         chosen, backend = torch.device("cpu"), "gloo"
     if not dist.is_initialized():

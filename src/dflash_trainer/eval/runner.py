@@ -366,7 +366,8 @@ def quick_tau(
     if prompts is None:
         if not datasets:
             raise ValueError("quick_tau: pass prompts or datasets")
-        prompts = [p for name in datasets for p in load_prompt_set(name, split="test", limit=num_prompts)]
+        # `NAME:SPLIT` as `evaluate` and the pre-training check read it (`gsm8k` alone is its held-out test split).
+        prompts = [p for name in datasets for p in load_prompt_set(*split_set_name(name, "test"), limit=num_prompts)]
     was_training = drafter.training
     drafter.eval()
     # The training drafter's layers may be compiled for training shapes; decoding calls them with a cache and
@@ -394,8 +395,10 @@ def quick_tau(
 
 def format_table(report: EvalReport) -> str:
     """The console table: one row per dataset, then each dataset's accepted-length distribution."""
+    # As wide as the longest name: a prompt file's path must show whole, not as a fragment.
+    width = max([16, *(len(data.name) + 2 for data in report.datasets)])
     header = (
-        f"{'dataset':<16}{'prompts':>8}{'tokens':>8}{'tau':>7}{'tau/pr':>8}{'batch':>6}{'base tok/s':>12}"
+        f"{'dataset':<{width}}{'prompts':>8}{'tokens':>8}{'tau':>7}{'tau/pr':>8}{'batch':>6}{'base tok/s':>12}"
         f"{'spec tok/s':>12}{'speedup':>9}  lossless"
     )
     lines = [
@@ -407,7 +410,7 @@ def format_table(report: EvalReport) -> str:
     ]
     for data in report.datasets:
         lines.append(
-            f"{data.name[:15]:<16}{data.num_prompts:>8}{data.new_tokens:>8}{data.tau:>7.2f}{data.tau_per_prompt:>8.2f}"
+            f"{data.name:<{width}}{data.num_prompts:>8}{data.new_tokens:>8}{data.tau:>7.2f}{data.tau_per_prompt:>8.2f}"
             f"{data.batch_rows:>6}{data.baseline_tokens_per_s:>12.1f}{data.speculative_tokens_per_s:>12.1f}"
             f"{data.speedup:>8.2f}x  {_lossless_summary(data)}"
         )

@@ -4,7 +4,14 @@ GGUF files are converted once into an ordinary safetensors model directory in a 
 (`<cache>/targets/<name>`, cache = `cache_dir` argument, else `$DFLASH_TRAINER_CACHE`, else
 `~/.cache/dflash-trainer`): transformers de-quantizes a GGUF file on every load (~40 s for SmolLM2-135M on two
 CPU cores), the converted directory loads in about a second. The conversion is written into a temporary
-directory that is renamed into place when complete, so an interrupted conversion is never picked up.
+directory that is renamed into place when complete, so an interrupted conversion is never picked up; a
+conversion whose weight files no longer parse is converted again.
+
+A user's GGUF file is cached by its content (`gguf-<sha256 prefix>`), so a byte-identical copy at another path
+or under another name reuses the conversion (a 2.4 GB file converts for minutes). Hashing it takes seconds,
+too long for every load, so `targets/gguf-index.json` remembers the hash of each file it has seen by (device,
+inode, size, mtime, ctime): the same file is found without reading it; a copy, or a file changed in place (its
+ctime moves even when its mtime is set back), is hashed once.
 
 Stop tokens come from the generation config when it declares any (that is what the model was tuned to emit at
 the end of a turn); the tokenizer's EOS is used only when it does not. SmolLM2's GGUF tokenizer reports
@@ -26,18 +33,21 @@ from __future__ import annotations
 
 import contextlib
 import difflib
+import hashlib
 import importlib.util
 import json
 import os
 import re
 import shutil
 import socket
+import sys
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import SafetensorError
 from transformers import (
     AutoModelForCausalLM,
     AutoTokenizer,
@@ -48,7 +58,8 @@ from transformers import (
 )
 
 from ..devices import resolve_device
-from ..errors import UserError
+from ..durable_io import check_safetensors_file
+from ..errors import CorruptFileError, UserError
 from .fp8 import quantize_decoder_linears
 
 # Built-in targets: name -> (pip package that ships the GGUF file, file name inside the package, pip spec).
@@ -59,6 +70,8 @@ CACHE_ENV = "DFLASH_TRAINER_CACHE"
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # Written last into a converted directory; records where it came from.
 _CONVERSION_RECORD = "dflash_conversion.json"
+# In `<cache>/targets`: the SHA-256 of each GGUF file seen, by file identity (gguf_cache_name).
+_GGUF_INDEX = "gguf-index.json"
 
 
 # llama.cpp pads a GGUF vocabulary to the embedding's row count with filler entries `[PAD151665]`...: rows no
@@ -106,6 +119,10 @@ def load_target(
     torch_device = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, torch_device)
     model_source, name = _model_source(name_or_path, cache_dir=cache_dir)
+    if Path(model_source).is_dir():
+        # transformers' own message for a damaged weight file names no file ("incomplete metadata").
+        for weights in sorted(Path(model_source).glob("*.safetensors")):
+            check_safetensors_file(weights, what=f"a weight file of target {name_or_path!r}")
     try:
         tokenizer = AutoTokenizer.from_pretrained(model_source)
         model, loading = AutoModelForCausalLM.from_pretrained(
@@ -115,7 +132,18 @@ def load_target(
             device_map=torch_device,
             output_loading_info=True,
         )
-    except (OSError, ValueError, RuntimeError) as error:  # RuntimeError: weights whose shapes differ from config.json
+    except torch.OutOfMemoryError as error:  # a RuntimeError too, but the machine's limit, not the files'
+        raise TargetLoadError(
+            f"target {name_or_path!r}: out of memory on {torch_device} while loading it in {torch_dtype} "
+            f"({str(error).splitlines()[0]}); free the device, or use a smaller target.dtype or another device"
+        ) from error
+    except RuntimeError as error:
+        # Only transformers' refusal of weights whose shapes differ from config.json is the input's fault; any
+        # other RuntimeError is a bug and keeps its traceback.
+        if "mismatched_sizes" not in str(error) and "size mismatch" not in str(error):
+            raise
+        raise TargetLoadError(f"target {name_or_path!r}: cannot load model or tokenizer: {error}") from error
+    except (OSError, ValueError, SafetensorError) as error:
         raise TargetLoadError(f"target {name_or_path!r}: cannot load model or tokenizer: {error}") from error
     # transformers initialises weights the files lack (or whose shapes differ) at random with only a logged table:
     # a target like that would train the drafter on noise. Weights beyond the config (MTP heads) are harmless.
@@ -287,7 +315,8 @@ def check_mask_token_id(
     mask_token_id: int, tokenizer: PreTrainedTokenizerBase, config: PretrainedConfig, *, stop_token_ids: Iterable[int]
 ) -> None:
     """Refuse a mask token the drafter must not use: outside the embedding, a stop/pad/BOS/EOS token (loops scan
-    drafts for stop ids; pad and BOS occur in every batch), or a token the chat template writes."""
+    drafts for stop ids; pad and BOS occur in every batch), a token the chat template writes, or an ordinary text
+    token (its text tokenises to it: the drafter could not tell a masked slot from that word in the data)."""
     vocab_rows = int(target_text_config(config).vocab_size)
     if not 0 <= mask_token_id < vocab_rows:
         raise MaskTokenError(
@@ -302,6 +331,8 @@ def check_mask_token_id(
         problem = f"is the target's {role} token" + (f" {token!r}" if token is not None else "")
     elif token is not None and token in _chat_template_text(tokenizer) and mask_token_id in _special_ids(tokenizer):
         problem = f"is {token!r}, which the chat template writes into every conversation"
+    elif token is not None and (text := _text_producing(mask_token_id, tokenizer)) is not None:
+        problem = f"is the ordinary text token {text!r}, which tokenising text produces"
     if problem is None:
         return
     suggestion = ""
@@ -312,6 +343,19 @@ def check_mask_token_id(
         f"drafter.mask_token_id={mask_token_id} {problem}; the mask token must be a row chat text never "
         f"produces. Unset drafter.mask_token_id to pick a spare row automatically{suggestion}"
     )
+
+
+def _text_producing(token_id: int, tokenizer: PreTrainedTokenizerBase) -> str | None:
+    """The text that tokenises to exactly `token_id`, for an ordinary (not special, not filler) token; None when
+    `token_id` is special or a filler row, or when its decoded text does not tokenise back to it (a row no text
+    reaches, or a byte piece of a longer character)."""
+    if token_id in _special_ids(tokenizer) or _FILLER_TOKEN.match(str(tokenizer.convert_ids_to_tokens(token_id))):
+        return None
+    text = tokenizer.decode([token_id])
+    if not text:
+        return None
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    return text if list(ids) == [token_id] else None
 
 
 def _special_ids(tokenizer: PreTrainedTokenizerBase) -> set[int]:
@@ -340,7 +384,8 @@ def _model_source(name_or_path: str, *, cache_dir: str | None) -> tuple[str, str
     if path.suffix == ".gguf":
         if not path.is_file():
             raise TargetLoadError(f"target {name_or_path!r}: GGUF file not found")
-        return str(convert_gguf(path, cache_dir=cache_dir, name=_gguf_cache_name(path))), path.stem
+        name = gguf_cache_name(path, cache_root(cache_dir) / "targets")
+        return str(convert_gguf(path, cache_dir=cache_dir, name=name)), path.stem
     if path.is_dir():
         if not (path / "config.json").is_file():
             raise TargetLoadError(f"target {name_or_path!r}: directory has no config.json")
@@ -404,10 +449,39 @@ def cache_root(cache_dir: str | None) -> Path:
     return Path.home() / ".cache" / "dflash-trainer"
 
 
-def _gguf_cache_name(path: Path) -> str:
-    # Size and mtime tell apart different files of the same name without hashing hundreds of megabytes.
+def gguf_cache_name(path: Path, targets_dir: Path) -> str:
+    """The cache directory name of GGUF file `path`: `gguf-` and the first 20 hex digits of its SHA-256, looked up
+    by the file's identity in `targets_dir/gguf-index.json` (module docstring), computed and recorded on a miss."""
     stat = path.stat()
-    return f"{path.stem}-{stat.st_size}-{int(stat.st_mtime)}"
+    identity = f"{stat.st_dev}:{stat.st_ino}:{stat.st_size}:{stat.st_mtime_ns}:{stat.st_ctime_ns}"
+    index_path = targets_dir / _GGUF_INDEX
+    index = _read_gguf_index(index_path)
+    digest = index.get(identity)
+    if not isinstance(digest, str):
+        digest = _sha256_of(path)
+        index[identity] = digest
+        with contextlib.suppress(OSError):  # a cache that cannot be written only costs the next load a hash
+            targets_dir.mkdir(parents=True, exist_ok=True)
+            temp = index_path.with_name(f".{_GGUF_INDEX}.{socket.gethostname()}-{os.getpid()}")
+            temp.write_text(json.dumps(index, indent=1) + "\n")
+            temp.replace(index_path)
+    return f"gguf-{digest[:20]}"
+
+
+def _read_gguf_index(path: Path) -> dict[str, Any]:
+    try:
+        index = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return index if isinstance(index, dict) else {}
+
+
+def _sha256_of(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as file:
+        while chunk := file.read(1 << 24):
+            digest.update(chunk)
+    return digest.hexdigest()
 
 
 def convert_gguf(gguf_path: Path, *, cache_dir: str | None, name: str) -> Path:
@@ -418,7 +492,13 @@ def convert_gguf(gguf_path: Path, *, cache_dir: str | None, name: str) -> Path:
     targets_dir = cache_root(cache_dir) / "targets"
     final_dir = targets_dir / name
     if (final_dir / _CONVERSION_RECORD).is_file():
-        return final_dir
+        try:
+            for weights in final_dir.glob("*.safetensors"):
+                check_safetensors_file(weights)
+            return final_dir
+        except CorruptFileError as error:  # the cache is ours to rebuild
+            print(f"warning: {error}; converting {gguf_path} again", file=sys.stderr)
+            shutil.rmtree(final_dir, ignore_errors=True)
     targets_dir.mkdir(parents=True, exist_ok=True)
     _remove_abandoned_conversions(targets_dir, name)
     temp_dir = targets_dir / f".tmp-{name}-{socket.gethostname()}-{os.getpid()}"

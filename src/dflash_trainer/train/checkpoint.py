@@ -36,6 +36,7 @@ from __future__ import annotations
 import dataclasses
 import errno
 import json
+import os
 import random
 import re
 import shutil
@@ -52,7 +53,14 @@ from safetensors.torch import load_file
 
 from ..config import RunConfig, config_to_dict
 from ..distributed.failure import injected_write_fault
-from ..durable_io import FileDigest, file_digest, fsync_dir, safetensors_size, write_bytes, write_safetensors
+from ..durable_io import (
+    FileDigest,
+    file_digest,
+    fsync_dir,
+    safetensors_file_size,
+    write_bytes,
+    write_safetensors,
+)
 from ..errors import (
     StorageError,
     UserError,
@@ -74,8 +82,8 @@ STATE_JSON = "trainer_state.json"
 STATE_TENSORS = "trainer_state.safetensors"
 RUN_CONFIG = "config.yaml"
 LEGACY_STATE = "trainer.pt"
-# Headers, JSON and YAML next to the tensors; the free-space check asks for this much beyond the tensor bytes.
-SIZE_SLACK = 16 << 20
+# An upper bound of manifest.json's size (six file names with sizes and SHA-256 digests), for the free-space check.
+MANIFEST_BYTES = 4096
 
 # DrafterModelConfig fields -> the recipe key that sets them, for resume-mismatch messages.
 _RECIPE_KEYS = {
@@ -211,22 +219,28 @@ def save_checkpoint(
     tmp = root / f"step-{step:08d}.tmp"
     what = f"checkpoint {final.name}"
     state_tree, state_tensors = encode_state(trainer_state)
+    # The small files as bytes first: with the tensor files' exact sizes they size the free-space check.
+    small_files = {
+        STATE_JSON: json.dumps(state_tree).encode("utf-8"),
+        DRAFTER_CONFIG: drafter_config_json.encode("utf-8"),
+        RUN_CONFIG: yaml.safe_dump(config_to_dict(config), sort_keys=False).encode("utf-8"),
+    }
+    sizes = [safetensors_file_size(drafter_state), safetensors_file_size(state_tensors)]
+    sizes += [len(data) for data in small_files.values()] + [MANIFEST_BYTES]
     try:
         root.mkdir(parents=True, exist_ok=True)
         for stale in root.glob("*.tmp"):
             shutil.rmtree(stale, ignore_errors=True)
         if keep_last >= 2:
             _prune(run_dir, keep=keep_last - 1, exclude=final)
-        _check_free_space(root, what, safetensors_size(drafter_state) + safetensors_size(state_tensors))
+        _check_free_space(root, what, sizes)
         tmp.mkdir()
         files: dict[str, FileDigest] = {}
         files[DRAFTER_WEIGHTS] = write_safetensors(tmp / DRAFTER_WEIGHTS, drafter_state)
         injected_write_fault(what)
         files[STATE_TENSORS] = write_safetensors(tmp / STATE_TENSORS, state_tensors)
-        files[STATE_JSON] = write_bytes(tmp / STATE_JSON, json.dumps(state_tree).encode("utf-8"))
-        files[DRAFTER_CONFIG] = write_bytes(tmp / DRAFTER_CONFIG, drafter_config_json.encode("utf-8"))
-        config_text = yaml.safe_dump(config_to_dict(config), sort_keys=False)
-        files[RUN_CONFIG] = write_bytes(tmp / RUN_CONFIG, config_text.encode("utf-8"))
+        for name, data in small_files.items():
+            files[name] = write_bytes(tmp / name, data)
         _write_manifest(tmp, step, files)
         _move_into_place(tmp, final)
     except OSError as error:
@@ -242,6 +256,28 @@ def save_checkpoint(
     return final
 
 
+def save_or_defer(
+    save: Callable[[], Path], run_dir: str | Path, *, final: bool, warn: Callable[[str], object] = print
+) -> Path | None:
+    """`save()`, where a full disk (a StorageError) does not cost the run its work so far:
+    - a periodic checkpoint (`final` False) that cannot be written is a warning: training goes on with its state
+      in memory, and the next checkpoint tries again (space freed meanwhile is used); returns None;
+    - the last checkpoint (end of training, stop signal) cannot wait: a StorageError naming the newest checkpoint
+      on disk, from which the same command resumes once there is room (older checkpoints are always intact:
+      a failed write leaves only a `.tmp`, removed at once)."""
+    try:
+        return save()
+    except StorageError as error:
+        newest = latest_checkpoint(run_dir)
+        where = f"the newest checkpoint is {newest.name}" if newest else "no checkpoint is written yet"
+        if final:
+            raise StorageError(
+                error.errno, f"{error}; {where}, and the same command resumes from it once there is room"
+            ) from error
+        warn(f"warning: {error}; training goes on ({where}; the next checkpoint tries again)")
+        return None
+
+
 def _prune(run_dir: str | Path, *, keep: int, exclude: Path | None) -> None:
     """Delete all but the newest `keep` checkpoints (never `exclude`, the step being rewritten)."""
     existing = [path for path in list_checkpoints(run_dir) if path != exclude]
@@ -249,15 +285,26 @@ def _prune(run_dir: str | Path, *, keep: int, exclude: Path | None) -> None:
         shutil.rmtree(old, ignore_errors=True)
 
 
-def _check_free_space(root: Path, what: str, tensor_bytes: int) -> None:
-    needed = tensor_bytes + SIZE_SLACK
+def _check_free_space(root: Path, what: str, file_sizes: list[int]) -> None:
+    """Refuse before writing when the files (exact sizes) cannot fit: each takes whole filesystem blocks, and the
+    checkpoint's directory one more. No fixed slack: a checkpoint that fits is written (a 16 MiB slack refused a
+    9.9 MB checkpoint on a disk with room for it, and the run stopped)."""
+    block = _block_size(root)
+    needed = sum(-(-size // block) * block for size in file_sizes) + block
     free = free_bytes(root)
     if free is not None and free < needed:
         raise StorageError(
             errno.ENOSPC,
-            f"cannot write {what} to {root}: no space left on the device (needs about {format_bytes(needed)}, "
+            f"cannot write {what} to {root}: no space left on the device (needs {format_bytes(needed)}, "
             f"{format_bytes(free)} free); free some space, lower checkpoint.keep_last, or move run_dir",
         )
+
+
+def _block_size(path: Path) -> int:
+    try:
+        return os.statvfs(path).f_frsize or 4096
+    except OSError:
+        return 4096
 
 
 def _write_manifest(directory: Path, step: int, files: dict[str, FileDigest]) -> None:

@@ -36,7 +36,7 @@ import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, TextIO
+from typing import TYPE_CHECKING, BinaryIO
 
 import torch
 from tqdm import tqdm
@@ -65,6 +65,10 @@ class MetricsLogger:
     of the resumed run carry no duplicates, and continues `wall` from the last kept record. Without it a run
     appends; pass `resume_step=0` to start over in a directory holding records of an attempt that left no
     checkpoint.
+
+    A record the storage refuses (a full disk, a quota) is skipped with a warning and training goes on: the
+    training state in memory matters more than a line of its curve (checkpoints defer likewise, checkpoint.py).
+    The line after a failed write starts on a line of its own, so a torn line is never glued to the next record.
     """
 
     def __init__(
@@ -76,7 +80,8 @@ class MetricsLogger:
         resume_step: int | None = None,
     ) -> None:
         self.path = Path(run_dir) / METRICS_FILE
-        self._file: TextIO | None = None
+        self._file: BinaryIO | None = None
+        self._failed_since: int | None = None  # the step of the first record the storage refused, while it does
         self._tb_writer: SummaryWriter | None = None
         if not is_main:
             return
@@ -86,7 +91,7 @@ class MetricsLogger:
             wall_offset = truncate_metrics(self.path, resume_step)
         # `wall` uses the monotonic clock so that clock adjustments do not bend the time axis.
         self._start = time.monotonic() - wall_offset
-        self._file = self.path.open("a", encoding="utf-8")
+        self._file = self.path.open("ab", buffering=0)  # unbuffered: a refused write leaves nothing pending
         if tensorboard:
             purge_step = None if resume_step is None else resume_step + 1
             self._tb_writer = _open_tensorboard(self.path.parent / TENSORBOARD_DIR, purge_step=purge_step)
@@ -105,14 +110,24 @@ class MetricsLogger:
             if name in RECORD_FIELDS:
                 raise ValueError(f"metric name {name!r} is reserved for the record's own field")
             record[name] = _json_value(name, value)
-        # Flushed per line: a crash loses at most the line being written.
+        # Written per line: a crash loses at most the line being written.
+        line = (json.dumps(record) + "\n").encode("utf-8")
         try:
-            self._file.write(json.dumps(record) + "\n")
-            self._file.flush()
+            self._append(b"\n" + line if self._failed_since is not None else line)
         except OSError as error:
-            if is_storage_error(error):
-                raise storage_error("metrics", self.path, error) from error
-            raise
+            if not is_storage_error(error):
+                raise
+            if self._failed_since is None:
+                self._failed_since = int(step)
+                print(
+                    f"warning: {storage_error('metrics', self.path, error)}; training goes on, and metrics records "
+                    "are skipped until there is room",
+                    file=sys.stderr,
+                )
+        else:
+            if self._failed_since is not None:
+                print(f"metrics: written again from step {step} (records of steps {self._failed_since}.. skipped)")
+                self._failed_since = None
         if self._tb_writer is not None:
             for name, value in record.items():
                 if name in RECORD_FIELDS:
@@ -122,6 +137,11 @@ class MetricsLogger:
                         self._tb_writer.add_scalar(f"{name}/slot_{index + 1}", item, global_step=step)
                 else:
                     self._tb_writer.add_scalar(name, value, global_step=step)
+
+    def _append(self, data: bytes) -> None:
+        view = memoryview(data)
+        while view:
+            view = view[self._file.write(view) :]  # a raw write may take part of the bytes
 
     def close(self) -> None:
         if self._file is not None:

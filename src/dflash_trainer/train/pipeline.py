@@ -20,10 +20,12 @@ from ..data.prepare import prepare
 from ..data.prompts import check_prompt_set_name, load_prompt_set, split_set_name
 from ..data.shards import check_shards_tokenizer
 from ..distributed.world import World, init_world, shutdown_world
+from ..durable_io import check_safetensors_file
 from ..errors import UserError, refuse_file_as_directory
 from ..targets.loader import LoadedTarget, load_target, quantize_target_to_fp8
 from . import checkpoint as ckpt
 from .data_setup import regenerate_for_training
+from .run_lock import hold_run_dir
 from .trainer import Trainer, TrainSummary, drafter_model_config
 
 
@@ -122,6 +124,9 @@ def validate_drafter_settings(config: RunConfig, target: LoadedTarget) -> None:
         from ..export import check_drafter_fits_target, read_drafter_config
 
         initial = read_drafter_config(config.drafter.init_from)
+        # The weights load only when training starts, after the data work: a damaged file must be named now.
+        for weights in sorted(Path(config.drafter.init_from).glob("*.safetensors")):
+            check_safetensors_file(weights, what="a weight file of drafter.init_from")
         check_drafter_fits_target(
             initial, target.config, drafter_source=config.drafter.init_from, target_name=target.name
         )
@@ -150,20 +155,31 @@ def wait_for_shards(shards: Path, poll_s: float = 2.0) -> None:
         time.sleep(poll_s)
 
 
+def startup_checks(config: RunConfig) -> None:
+    """What every rank of a run checks before anything loads: the run directory (writable, room for a
+    checkpoint), `checkpoint.resume` and the checkpoint's settings, and the evaluation sets (a misspelt or empty
+    one must not surface after training). `train --nproc` runs them before torchrun starts, with
+    `check_not_in_use` (in a run, rank 0 taking the run directory is that check)."""
+    ckpt.preflight(config)
+    if config.eval.at_end or config.eval.every_steps:
+        for name in config.eval.datasets:
+            check_prompt_set_name(name, "test")
+
+
 def run_training(
     config: RunConfig, *, should_stop: Callable[[], bool] = lambda: False, world: World | None = None
 ) -> TrainSummary:
     """Train (colocated or disaggregated, per `placement`), then export, evaluate and plot on the main rank.
-    Joins and leaves the process group itself unless given the `world` (launch.py gives it)."""
-    ckpt.preflight(config)
-    if config.eval.at_end or config.eval.every_steps:  # a misspelt set must not surface after training
-        for name in config.eval.datasets:
-            check_prompt_set_name(name, "test")
+    Joins and leaves the process group itself unless given the `world` (launch.py gives it). The job holds the
+    run directory throughout (train/run_lock.py)."""
+    startup_checks(config)
     if world is not None:
-        return _run_training(config, world, should_stop)
+        with hold_run_dir(config.run_dir, world):
+            return _run_training(config, world, should_stop)
     world = init_world(config.target.device, timeout_s=config.placement.timeout_s)
     try:
-        return _run_training(config, world, should_stop)
+        with hold_run_dir(config.run_dir, world):
+            return _run_training(config, world, should_stop)
     finally:
         shutdown_world(world)
 
@@ -399,6 +415,8 @@ def eval_command(
 
     if out_dir:
         refuse_file_as_directory(Path(out_dir))  # before decoding, not when the report is written
+    for name in datasets:  # a misspelt, missing or empty set before the target loads
+        check_prompt_set_name(name, "test")
     drafter, source = load_drafter_any(drafter_path)
     target_config = run_config_of(source).target if (source / "config.yaml").is_file() else None
     if target is None and target_config is None:

@@ -34,6 +34,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from functools import partial
@@ -49,6 +50,7 @@ from ..data.sampler import BatchPlan
 from ..devices import resolve_device
 from ..distributed.failure import FaultInjection
 from ..distributed.world import World
+from ..errors import UserError
 from ..model.anchors import block_state_rows, gather_block_states, kept_blocks_only
 from ..model.attention import build_masks, resolve_backend
 from ..model.config import DrafterModelConfig
@@ -95,8 +97,9 @@ from .schedule import DataPosition, count_steps, epoch_progress, position_of, st
 from .sharding import make_sync
 
 
-class NonFiniteLossError(RuntimeError):
-    """The loss or gradients of a step were NaN/inf (and `train.on_nonfinite` is `stop`)."""
+class NonFiniteLossError(UserError, RuntimeError):
+    """The loss or gradients of a step were NaN/inf (and `train.on_nonfinite` is `stop`): the run diverged, a
+    matter of its settings or data (one line naming the step and samples, exit status 2), not a bug."""
 
 
 @dataclass
@@ -426,7 +429,7 @@ class Trainer:
                 if self.config.eval.every_steps and self.step % self.config.eval.every_steps == 0:
                     self._periodic_eval()
                 if self.step % self.config.checkpoint.every_steps == 0:
-                    last_checkpoint = self.save_checkpoint()
+                    last_checkpoint = self.save_checkpoint(final=False) or last_checkpoint
                 if self.stop_agreed:
                     interrupted = True
                     break
@@ -435,7 +438,7 @@ class Trainer:
             self._settle_flags()
             self._end_of_data(interrupted=interrupted)
             if last_checkpoint is None or not last_checkpoint.name.endswith(f"{self.step:08d}"):
-                last_checkpoint = self.save_checkpoint()
+                last_checkpoint = self.save_checkpoint(final=True)
         finally:
             if self._prefetcher is not None:
                 self._prefetcher.close()
@@ -489,7 +492,8 @@ class Trainer:
         with self.profiler.stage("optimizer"):
             self.sync.after_micro_batches()
             grad_norm = self.sync.local_norm(
-                torch.nn.utils.clip_grad_norm_(self.drafter.parameters(), self.config.optim.grad_clip)
+                # optim.grad_clip 0 or null is off: an infinite bound measures the norm and scales by 1.
+                torch.nn.utils.clip_grad_norm_(self.drafter.parameters(), self.config.optim.grad_clip or math.inf)
             )
             flags = StepFlags(
                 step=self.step + 1,
@@ -543,7 +547,10 @@ class Trainer:
     def _handle_nonfinite(self, pending: StepFlags) -> None:
         message = f"non-finite loss or gradient at step {pending.step}; samples {pending.sample_ids[:20]}"
         if self.config.train.on_nonfinite == "stop":
-            raise NonFiniteLossError(message)
+            raise NonFiniteLossError(
+                f"{message}: the run diverged. Lower optim.lr or check those samples, or set "
+                "train.on_nonfinite=skip to skip such steps"
+            )
         self.skipped_nonfinite += 1
         self.log(f"skipping: {message}")
 
@@ -751,18 +758,30 @@ class Trainer:
 
     # ------------------------------------------------------------------------------------------------ state
 
-    def save_checkpoint(self) -> Path:
+    def save_checkpoint(self, *, final: bool = True) -> Path | None:
         """The main rank writes (replicas are identical; FSDP2 shards are gathered onto it first); the others wait
-        so nobody races ahead of a half-written checkpoint."""
+        so nobody races ahead of a half-written checkpoint. A periodic checkpoint (`final` False) that a full disk
+        refuses is skipped with a warning and None (`ckpt.save_or_defer`); the last one must be written."""
         path = ckpt.checkpoint_dir(self.run_dir) / f"step-{self.step:08d}"
         self._settle_flags()  # a non-finite last step under `stop` must raise before anything is written
+        written = True
         with self.profiler.stage("checkpoint"):
             drafter_state, optimizer_state = self.sync.full_state(self.optimizer)
             if self.is_main:
-                self._write_checkpoint(drafter_state, optimizer_state)
+                saved = ckpt.save_or_defer(
+                    lambda: self._write_checkpoint(drafter_state, optimizer_state),
+                    self.run_dir,
+                    final=final,
+                    warn=self.log,
+                )
+                written = saved is not None
             if self.group_size > 1:
-                dist.barrier(group=self.group)
-        return path
+                # Also the barrier: every rank learns whether the checkpoint was written (they must agree on
+                # whether a last one is saved at the end, a collective).
+                agreed = torch.tensor([float(written)], device=self.device)
+                dist.all_reduce(agreed, op=dist.ReduceOp.MIN, group=self.group)
+                written = agreed.item() > 0
+        return path if written else None
 
     def _write_checkpoint(self, drafter_state: dict[str, torch.Tensor], optimizer_state: dict) -> Path:
         sampler_state, position = self._trained_data_state()
