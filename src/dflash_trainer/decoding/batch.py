@@ -45,7 +45,7 @@ import torch
 from ..errors import UserError
 from .graphs import StepGraphs
 from .sampling import GREEDY, SamplingParams, choose_tokens, seed_key
-from .targets import TargetRunner
+from .target import TargetRunner
 
 KV_BUCKET = 128
 

@@ -15,7 +15,7 @@ from transformers import PreTrainedModel
 from .batch import BatchDecoder, Request, RequestQueue
 from .runs import BatchRun, GenerationResult, check_prompts, single_prompt
 from .sampling import GREEDY, SamplingParams
-from .targets import TargetRunner
+from .target import TargetRunner
 
 
 @torch.inference_mode()

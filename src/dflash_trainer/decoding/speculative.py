@@ -43,7 +43,7 @@ from .drafter_step import DraftProposer
 from .graphs import StepGraphs
 from .runs import BatchRun, GenerationResult, check_prompts, single_prompt
 from .sampling import GREEDY, SamplingParams, choose_tokens, seed_key
-from .targets import TargetRunner
+from .target import TargetRunner
 
 
 class SpeculativeDecoder:
