@@ -339,6 +339,8 @@ class EvalConfig:
     temperature: float = 0.0
     # Run an evaluation after training ends (used by the main command).
     at_end: bool = False
+    # Prompts decoded together when the end evaluation times decoding; null: at batch 1 (latency) and all at once.
+    batch_size: int | None = None
 
     def validate(self) -> None:
         _require(self.every_steps >= 0, "eval.every_steps", "must be >= 0 (0 = off)")
@@ -346,6 +348,7 @@ class EvalConfig:
         _require(self.max_new_tokens >= 1, "eval.max_new_tokens", "must be >= 1")
         _require(self.temperature >= 0, "eval.temperature", "must be >= 0")
         _require(bool(self.datasets), "eval.datasets", "must name at least one prompt set (e.g. [gsm8k])")
+        _require(self.batch_size is None or self.batch_size >= 1, "eval.batch_size", "must be >= 1 (or null)")
 
 
 @dataclass

@@ -147,24 +147,31 @@ def wait_for_shards(shards: Path, poll_s: float = 2.0) -> None:
 
 
 def run_training(
-    config: RunConfig, *, should_stop: Callable[[], bool] = lambda: False, world: World | None = None
+    config: RunConfig,
+    *,
+    should_stop: Callable[[], bool] = lambda: False,
+    world: World | None = None,
+    command: str | None = None,
 ) -> TrainSummary:
     """Train (colocated or disaggregated, per `placement`), then export, evaluate and plot on the main rank.
-    Joins and leaves the process group itself unless given the `world` (launch.py gives it)."""
+    Joins and leaves the process group itself unless given the `world` (launch.py gives it). `command`: the
+    command line that started the run, for the export's model card."""
     ckpt.preflight(config)
     if config.eval.at_end or config.eval.every_steps:  # a misspelt set must not surface after training
         for name in config.eval.datasets:
             check_prompt_set_name(name, "test")
     if world is not None:
-        return _run_training(config, world, should_stop)
+        return _run_training(config, world, should_stop, command)
     world = init_world(config.target.device, timeout_s=config.placement.timeout_s)
     try:
-        return _run_training(config, world, should_stop)
+        return _run_training(config, world, should_stop, command)
     finally:
         shutdown_world(world)
 
 
-def _run_training(config: RunConfig, world: World, should_stop: Callable[[], bool]) -> TrainSummary:
+def _run_training(
+    config: RunConfig, world: World, should_stop: Callable[[], bool], command: str | None
+) -> TrainSummary:
     target = None
     if config.placement.disaggregated:
         from .disaggregated import run_disaggregated
@@ -196,13 +203,16 @@ def _run_training(config: RunConfig, world: World, should_stop: Callable[[], boo
         print(f"stopped at step {summary.steps}; resume with the same command. checkpoint: {summary.last_checkpoint}")
         return summary
     export_dir = run_dir / "export"
-    from ..export import export_drafter
+    from ..export import export_drafter, refresh_model_card
+    from ..provenance import TargetRecord, run_source, training_record
 
     drafter = trainer.exportable_drafter()
     export_drafter(
         drafter,
         export_dir,
-        source=run_dir,
+        source=run_source(run_dir, config),
+        target=TargetRecord.of(trainer.target, config.target.name_or_path),
+        training=training_record(config, command=command, ranks=world.world_size, steps=summary.steps),
         # The run's own directory (possibly copied from another machine, under another path): always its export.
         overwrite=True,
         accept_sliding_window_mismatch=config.drafter.accept_sliding_window_mismatch,
@@ -225,8 +235,10 @@ def _run_training(config: RunConfig, world: World, should_stop: Callable[[], boo
             max_new_tokens=config.eval.max_new_tokens,
             temperature=config.eval.temperature,
             out_dir=run_dir / "eval",
+            batch_size=config.eval.batch_size,
         )
         print(report.format_table())
+        refresh_model_card(export_dir, report.to_dict())  # the card shows the held-out tau of these weights
     plots = []
     if config.metrics.plot_at_end:
         from .plot import plot_run
@@ -325,20 +337,61 @@ def load_drafter_any(path: str | Path, device: torch.device | str = "cpu"):
 def export_command(
     *, checkpoint: str, out_dir: str, dtype: str, overwrite: bool = False, accept_sliding_window_mismatch: bool = False
 ) -> None:
-    from ..export import export_drafter
+    from ..export import export_drafter, read_export_config
+    from ..provenance import (
+        SOURCE_KEY,
+        TRAINING_KEY,
+        TargetRecord,
+        drafter_digest,
+        read_target_record,
+        run_source,
+        training_record,
+    )
 
     drafter, source = load_drafter_any(checkpoint)
     # A checkpoint's run directory is the export's source: later checkpoints of the run may replace it.
     run = source.parent.parent if source.parent.name == "checkpoints" else source
+    config = run_config_of(source) if (source / "config.yaml").is_file() else None
+    exported_from = run_source(run, config)
+    # What an earlier export of the same run (or the export being exported again) already records: the target
+    # and the command that trained it, which a checkpoint does not hold.
+    again = read_export_config(source)  # an export exported again (another dtype, another place)
+    if again is not None:
+        earlier = again
+        exported_from = again.get(SOURCE_KEY) or exported_from
+    else:
+        previous = read_export_config(run / "export") or {}
+        earlier = previous if previous.get(SOURCE_KEY) == exported_from else {}
+    target = read_target_record(earlier)
+    if target is None and config is not None:
+        target = TargetRecord.read(config.target.name_or_path, cache_dir=config.target.cache_dir)
+    known = earlier.get(TRAINING_KEY) or {}
+    training = training_record(config, command=known.get("command"), ranks=known.get("ranks"), steps=None)
+    if config is None and known:
+        training["data"] = known.get("data")
+    digest = drafter_digest(drafter.state_dict())
+    evaluations = [_read_report(path / "eval" / "eval.json") for path in (source, run)]
+    evaluation = next((report for report in evaluations if report.get("drafter_digest") == digest), None)
     export_drafter(
         drafter,
         out_dir,
         dtype=getattr(torch, dtype),
-        source=run,
+        source=exported_from,
+        target=target,
+        training=training,
+        evaluation=evaluation,
         overwrite=overwrite,
         accept_sliding_window_mismatch=accept_sliding_window_mismatch,
     )
     print(f"exported {source} -> {out_dir}")
+
+
+def _read_report(path: Path) -> dict:
+    try:
+        report = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    return report if isinstance(report, dict) else {}
 
 
 def run_config_of(checkpoint: Path) -> RunConfig:
@@ -362,23 +415,39 @@ def eval_command(
     temperature: float,
     out_dir: str | None,
     dtype: str,
+    batch_size: int | None = None,
 ) -> None:
     from ..eval.runner import evaluate
-    from ..export import cast_keeping_rope_fp32, check_drafter_fits_target
+    from ..export import cast_keeping_rope_fp32, check_drafter_fits_target, read_export_config, refresh_model_card
+    from ..provenance import TargetMismatchError, check_target, locate_target, read_target_record
 
     if out_dir:
         refuse_file_as_directory(Path(out_dir))  # before decoding, not when the report is written
     drafter, source = load_drafter_any(drafter_path)
     target_config = run_config_of(source).target if (source / "config.yaml").is_file() else None
-    if target is None and target_config is None:
+    export_config = read_export_config(source)
+    # An export records its target: found here by its name, recorded path or the cache, and checked after loading.
+    record = read_target_record(export_config) if export_config is not None else None
+    name_or_path = target or (target_config.name_or_path if target_config else None)
+    if name_or_path is None and record is not None:
+        name_or_path = locate_target(record)
+        if name_or_path is None:
+            raise TargetMismatchError(
+                f"{source}: drafts for target {record.describe()}, which is not on this machine (not a built-in "
+                f"name, {record.name_or_path or 'no portable path'} is not here, no converted copy in the target "
+                "cache); pass it with --target"
+            )
+    if name_or_path is None:
         raise ConfigError(f"{source}: no config.yaml to read the target from; pass --target")
     loaded = load_target(
-        target or target_config.name_or_path,
+        name_or_path,
         dtype=dtype,
         # The checkpoint's cache of a converted GGUF target (no second conversion) and attention kernel.
         cache_dir=target_config.cache_dir if target_config else None,
         attn_implementation=target_config.attn_implementation if target_config else "sdpa",
     )
+    if record is not None:
+        check_target(record, loaded, name_or_path, drafter_source=source)
     check_drafter_fits_target(drafter.config, loaded.config, drafter_source=source, target_name=loaded.name)
     # In the target's dtype, as a server runs it (RoPE frequencies stay float32).
     drafter = cast_keeping_rope_fp32(drafter.to(loaded.device), loaded.dtype).eval()
@@ -390,5 +459,9 @@ def eval_command(
         max_new_tokens=max_new_tokens,
         temperature=temperature,
         out_dir=Path(out_dir) if out_dir else source / "eval",
+        batch_size=batch_size,
     )
     print(report.format_table())
+    # The card of an export shows the evaluation kept beside it (the default --out, `eval/` in the export).
+    if export_config is not None and out_dir is None and refresh_model_card(source, report.to_dict()):
+        print(f"model card with these results: {source / 'README.md'}")
