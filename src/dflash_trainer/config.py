@@ -361,9 +361,27 @@ class PrepareConfig:
     regenerate_batch_size: int = 16
     limit: int | None = None
     keep_reasoning: bool = False
+    # Category shares of a `mix-general` source (empty: its default, {dialogue: 0.1, chat: 0.35, code: 0.25,
+    # math: 0.25, puzzle: 0.05}): every prefix of the mixture holds the categories in these proportions.
+    shares: dict[str, float] = field(default_factory=dict)
 
     def validate(self) -> None:
         _require(self.max_new_tokens >= 1, "prepare.max_new_tokens", "must be >= 1")
+        if self.shares:
+            from .data.sources.categories import CATEGORIES
+
+            unknown = sorted(set(self.shares) - set(CATEGORIES))
+            _require(not unknown, "prepare.shares", f"unknown categories {unknown} (known: {list(CATEGORIES)})")
+            _require(
+                all(v >= 0 for v in self.shares.values()) and any(v > 0 for v in self.shares.values()),
+                "prepare.shares",
+                "need shares >= 0, at least one > 0",
+            )
+            _require(
+                self.source.partition(":")[0] == "mix-general",
+                "prepare.shares",
+                f"category shares apply to a mix-general source, not {self.source!r}",
+            )
         _require(self.regenerate_batch_size >= 1, "prepare.regenerate_batch_size", "must be >= 1")
         _require(self.limit is None or self.limit >= 1, "prepare.limit", "must be >= 1")
         problem = _held_out_source_problem(self.source)

@@ -30,10 +30,12 @@ def parse_prompt_source(source: str) -> tuple[str, str]:
     return split_set_name(source, "all")
 
 
-def write_prompt_chats(source: str, out_file: Path, *, limit: int | None) -> Path:
+def write_prompt_chats(
+    source: str, out_file: Path, *, limit: int | None, shares: dict[str, float] | None = None
+) -> Path:
     """Prompt set -> chat JSONL whose assistant turn is the set's reference answer (no regeneration)."""
     name, split = parse_prompt_source(source)
-    prompts = load_prompt_set(name, split=split, limit=limit)
+    prompts = load_prompt_set(name, split=split, limit=limit, shares=shares or None)
     out_file.parent.mkdir(parents=True, exist_ok=True)
     tmp = out_file.with_suffix(".tmp")
     with tmp.open("w") as f:
@@ -48,19 +50,21 @@ def write_prompt_chats(source: str, out_file: Path, *, limit: int | None) -> Pat
     return out_file
 
 
-def regeneration_records(source: str, limit: int | None) -> str | list[dict]:
-    """A chat JSONL path as is, or the prompts of a prompt set (`gsm8k:train`) as records to answer."""
+def regeneration_records(source: str, limit: int | None, shares: dict[str, float] | None = None) -> str | list[dict]:
+    """A chat JSONL path as is, or the prompts of a prompt set (`gsm8k:train`) as records to answer. `shares`:
+    category shares of a `mix-general` source."""
     if Path(source).exists():
         return source
     name, split = parse_prompt_source(source)
-    return [{"id": p.id, "messages": list(p.messages)} for p in load_prompt_set(name, split=split, limit=limit)]
+    prompts = load_prompt_set(name, split=split, limit=limit, shares=shares or None)
+    return [{"id": p.id, "messages": list(p.messages)} for p in prompts]
 
 
 def regenerated_chats(source: str, target: LoadedTarget, out_dir: Path, config: RunConfig) -> list[Path]:
     from ..targets.regenerate import regenerate
 
     summary = regenerate(
-        regeneration_records(source, config.prepare.limit),
+        regeneration_records(source, config.prepare.limit, config.prepare.shares),
         target,
         out_dir,
         max_new_tokens=config.prepare.max_new_tokens,
@@ -90,7 +94,8 @@ def ensure_train_data(config: RunConfig, target: LoadedTarget, log: Callable[[st
         log(f"regenerating responses for {source} with the target (cached in {shards}-chat)")
         inputs = regenerated_chats(source, target, Path(f"{shards}-chat"), config)
     else:
-        inputs = [write_prompt_chats(source, Path(f"{shards}-chat") / "chats.jsonl", limit=config.prepare.limit)]
+        chats = Path(f"{shards}-chat") / "chats.jsonl"
+        inputs = [write_prompt_chats(source, chats, limit=config.prepare.limit, shares=config.prepare.shares)]
     summary = prepare(
         inputs,
         target.tokenizer,
