@@ -315,9 +315,21 @@ class CheckpointConfig:
 
 
 @dataclass
+class WandbConfig:
+    # Weights & Biases project to mirror every metrics record to (empty: off; `pip install dflash-trainer[wandb]`).
+    project: str = ""
+    # Run name (empty: the run directory's name) and team or user (empty: the account's default).
+    name: str = ""
+    entity: str = ""
+    # offline: written under run_dir/wandb without network (`wandb sync` uploads it later); online: streamed.
+    mode: Literal["offline", "online"] = "offline"
+
+
+@dataclass
 class MetricsConfig:
     log_every: int = 10
     tensorboard: bool = True
+    wandb: WandbConfig = field(default_factory=WandbConfig)
     progress_bar: bool = True
     # Seconds between per-stage profiler reports; 0 = off (DFLASH_PROFILE_INTERVAL also switches it on).
     profile_interval: float = 0.0

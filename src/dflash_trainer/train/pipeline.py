@@ -162,6 +162,10 @@ def run_training(
     Joins and leaves the process group itself unless given the `world` (launch.py gives it). `command`: the
     command line that started the run, for the export's model card."""
     ckpt.preflight(config)
+    if config.metrics.wandb.project:  # the optional sink's package, before any work
+        from .metrics import import_wandb
+
+        import_wandb(config.metrics.wandb.project)
     if config.eval.at_end or config.eval.every_steps:  # a misspelt set must not surface after training
         for name in config.eval.datasets:
             check_prompt_set_name(name, "test")
