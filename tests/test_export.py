@@ -517,3 +517,17 @@ def test_a_run_export_describes_itself_and_eval_needs_no_target(tmp_path, monkey
     Path("target").rename("moved")
     with pytest.raises(TargetMismatchError, match=r"drafts for target 'target' .* not on this machine.*--target"):
         eval_command(drafter_path=str(export), target=None, out_dir=None, **common)
+
+
+def test_export_of_a_checkpoint_whose_target_is_not_here_still_exports(tmp_path, monkeypatch, capsys):
+    from dflash_trainer.train import pipeline
+
+    checkpoint = tmp_path / "run" / "checkpoints" / "step-00000002"
+    checkpoint.mkdir(parents=True)
+    (checkpoint / "config.yaml").write_text("target:\n  name_or_path: no-such-org/no-such-model\n")
+    monkeypatch.setattr(pipeline, "load_drafter_any", lambda path: (random_drafter(), checkpoint))
+    pipeline.export_command(checkpoint=str(checkpoint), out_dir=str(tmp_path / "out"), dtype="float32")
+    config = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert "target_record" not in config and config["exported_from"]["run"] == "run"
+    assert "warning: the export records no target" in capsys.readouterr().out
+    assert "not recorded in this export" in (tmp_path / "out" / "README.md").read_text()

@@ -20,7 +20,7 @@ from ..data.prompts import check_prompt_set_name, load_prompt_set, split_set_nam
 from ..data.shards import check_shards_tokenizer
 from ..distributed.world import World, init_world, shutdown_world
 from ..errors import UserError, refuse_file_as_directory
-from ..targets.loader import LoadedTarget, load_target, quantize_target_to_fp8
+from ..targets.loader import LoadedTarget, TargetLoadError, load_target, quantize_target_to_fp8
 from . import checkpoint as ckpt
 from .trainer import Trainer, TrainSummary, drafter_model_config
 
@@ -373,7 +373,10 @@ def export_command(
         earlier = previous if previous.get(SOURCE_KEY) == exported_from else {}
     target = read_target_record(earlier)
     if target is None and config is not None:
-        target = TargetRecord.read(config.target.name_or_path, cache_dir=config.target.cache_dir)
+        try:
+            target = TargetRecord.read(config.target.name_or_path, cache_dir=config.target.cache_dir)
+        except TargetLoadError as error:  # exporting needs no target: say what the export will lack
+            print(f"warning: the export records no target ({error}); `eval --drafter` of it will need --target")
     known = earlier.get(TRAINING_KEY) or {}
     training = training_record(config, command=known.get("command"), ranks=known.get("ranks"), steps=None)
     if config is None and known:
