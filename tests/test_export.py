@@ -13,6 +13,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from transformers import Qwen3Config
 
+from decoding_helpers import one_thread  # noqa: F401 (autouse fixture)
 from dflash_trainer import export as export_module
 from dflash_trainer.errors import OutputExistsError, StorageError
 from dflash_trainer.export import (
@@ -27,6 +28,7 @@ from dflash_trainer.export import (
 )
 from dflash_trainer.model.config import DrafterModelConfig
 from dflash_trainer.model.drafter import DFlashDrafter
+from dflash_trainer.provenance import run_source
 from model_helpers import tiny_drafter_config
 
 # What z-lab's DFlashDraftModel, vLLM's qwen3_dflash and SGLang read from config.json.
@@ -285,15 +287,16 @@ def test_export_replaces_an_earlier_export_but_not_other_directories(tmp_path):
 def test_an_export_of_another_run_is_not_replaced_silently(tmp_path):
     out = tmp_path / "out"
     first = random_drafter(seed=0)
-    export_drafter(first, out, dtype=torch.float32, source=tmp_path / "run-a")
-    assert json.loads((out / "config.json").read_text())["exported_from"] == str(tmp_path / "run-a")
+    run_a, run_b = run_source(tmp_path / "run-a", None), run_source(tmp_path / "run-b", None)
+    export_drafter(first, out, dtype=torch.float32, source=run_a)
+    assert json.loads((out / "config.json").read_text())["exported_from"] == {"run": "run-a", "config_sha256": None}
     # The same run exports again (a later checkpoint): replaced.
-    export_drafter(random_drafter(seed=1), out, dtype=torch.float32, source=tmp_path / "run-a")
+    export_drafter(random_drafter(seed=1), out, dtype=torch.float32, source=run_a)
     # Another run: refused, naming both; the export of run-a is untouched.
-    with pytest.raises(OutputExistsError, match=r"holds an export of .*run-a, not of .*run-b; .*--overwrite"):
-        export_drafter(first, out, dtype=torch.float32, source=tmp_path / "run-b")
-    assert json.loads((out / "config.json").read_text())["exported_from"] == str(tmp_path / "run-a")
-    export_drafter(first, out, dtype=torch.float32, source=tmp_path / "run-b", overwrite=True)
+    with pytest.raises(OutputExistsError, match=r"holds an export of run 'run-a'.*, not of run 'run-b'.*--overwrite"):
+        export_drafter(first, out, dtype=torch.float32, source=run_b)
+    assert json.loads((out / "config.json").read_text())["exported_from"]["run"] == "run-a"
+    export_drafter(first, out, dtype=torch.float32, source=run_b, overwrite=True)
     torch.testing.assert_close(drafter_outputs(import_drafter(out)), drafter_outputs(first), rtol=0, atol=0)
 
 
@@ -384,3 +387,167 @@ def test_use_swa_checkpoint_slides_every_layer_non_causally(tmp_path):
     with pytest.warns(UserWarning):
         loaded = import_drafter(tmp_path / "swa")
     assert loaded.config == config  # all sliding, window 12, not causal in-block
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Self-describing exports: target record, model card, no paths of the training machine
+
+
+def files_mentioning(root: Path, needles: list[str]) -> dict[str, list[str]]:
+    """Files under `root` whose bytes (text, or a safetensors header) contain any of `needles`."""
+    found: dict[str, list[str]] = {}
+    for path in root.rglob("*"):
+        if path.is_file():
+            data = path.read_bytes()
+            hits = [needle for needle in needles if needle.encode() in data]
+            if hits:
+                found[str(path.relative_to(root))] = hits
+    return found
+
+
+def test_portable_paths_and_commands_drop_the_directory_layout():
+    from dflash_trainer.provenance import portable_command, portable_path
+
+    assert portable_path("smollm2-135m") == "smollm2-135m" and portable_path("data/x") == "data/x"
+    assert portable_path("/home/ann/models/Qwen3-8B/") == ".../Qwen3-8B"
+    assert portable_path("~/m.gguf") == ".../m.gguf"
+    command = portable_command(["train", "/home/ann/r.yaml", "target.name_or_path=/srv/q", "optim.lr=1e-3"])
+    assert command == "dflash-trainer train .../r.yaml target.name_or_path=.../q optim.lr=1e-3"
+
+
+def test_model_card_shows_only_an_evaluation_of_its_own_weights(tmp_path):
+    from dflash_trainer.provenance import drafter_digest
+
+    drafter = random_drafter()
+    training = {"dflash_trainer_version": "0.1.0", "command": "dflash-trainer train r", "ranks": 1, "steps": 7}
+    training["data"] = {
+        "source": "mix-math:train",
+        "limit": 100,
+        "answered_by_target": True,
+        "max_new_tokens": 64,
+        "sets": [{"name": "chitchat", "package": "chitchat-dataset==0.9.0", "licence": "MIT"}],
+    }
+    evaluation = {
+        "drafter_digest": drafter_digest(drafter.state_dict()),
+        "max_new_tokens": 32,
+        "dtype": "float32",
+        "block_size": 4,
+        "datasets": [
+            {
+                "name": "/home/ann/held-out.jsonl",
+                "num_prompts": 3,
+                "tau": 2.5,
+                "tau_per_prompt": 2.25,
+                "lossless_checked": True,
+                "exact_matches": 3,
+                "throughput": [
+                    {"batch_rows": 3, "speedup": 1.5, "cuda_graphs": False},
+                    {"batch_rows": 1, "speedup": 2.0, "cuda_graphs": True},
+                ],
+            },
+        ],
+    }
+    export_drafter(drafter, tmp_path / "out", training=training, evaluation=evaluation)
+    card = (tmp_path / "out" / "README.md").read_text()
+    block = drafter.config.block_size
+    assert f'"num_speculative_tokens": {block - 1}' in card and f"--speculative-num-draft-tokens {block}" in card
+    assert f"| block size | {block} " in card and str(list(drafter.config.target_layer_ids)) in card
+    assert "| .../held-out.jsonl | 3 | 2.50 (2.25) | 1.50x at batch 3, 2.00x at batch 1 | 3/3 identical |" in card
+    assert (
+        "| chitchat | `chitchat-dataset==0.9.0` | MIT |" in card and "The first 100 prompts of `mix-math:train`" in card
+    )
+    assert "dflash-trainer train r" in card and "/home/ann" not in card
+    # The weights' digest is recorded; a report of other weights is not shown.
+    config = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert config["training_record"]["weights_digest"] == evaluation["drafter_digest"]
+    other = {**evaluation, "drafter_digest": "sha256:0"}
+    export_drafter(random_drafter(seed=3), tmp_path / "out", training=training, evaluation=other)
+    assert "No evaluation of these weights" in (tmp_path / "out" / "README.md").read_text()
+    # An export without our records (z-lab's, or written by hand) gets no card.
+    export_drafter(drafter, tmp_path / "bare")
+    assert not (tmp_path / "bare" / "README.md").exists()
+
+
+def test_target_records_tell_targets_apart():
+    from dflash_trainer.provenance import TargetRecord
+
+    record = TargetRecord("t", "t", "qwen3", 6, 64, 128, "sha256:a")
+    assert record.differences(record) == []
+    other = TargetRecord("u", None, "qwen3_5_text", 6, 64, 128, "sha256:b")
+    assert record.differences(other) == [
+        "architecture qwen3 vs qwen3_5_text",
+        "tokenizer vocabulary differs (token ids would mean other text)",
+    ]
+    assert TargetRecord.from_json(record.to_json()) == record
+
+
+def test_a_run_export_describes_itself_and_eval_needs_no_target(tmp_path, monkeypatch, capsys):
+    """The main job's export records its target, data and command, carries a model card with the held-out tau of
+    its weights and no path of the machine; `eval --drafter EXPORT` finds the target alone and refuses another."""
+    from dflash_trainer.config import load_config
+    from dflash_trainer.provenance import TargetMismatchError, config_digest, portable_command
+    from dflash_trainer.train.pipeline import eval_command, export_command, run_training
+    from train_helpers import save_tiny_target, write_counting_shards, write_recipe
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("DFLASH_TRAINER_CACHE", str(tmp_path / "cache"))
+    save_tiny_target(Path("target"))
+    write_counting_shards(Path("shards"), num_samples=8)
+    prompts = tmp_path / "prompts.jsonl"  # an absolute path: the card must not repeat it
+    prompts.write_text("".join(json.dumps({"id": f"p{i}", "prompt": f"w{i} w{i + 5} w9"}) + "\n" for i in range(2)))
+    recipe = write_recipe(
+        tmp_path / "recipe.yaml",
+        Path("runs/tiny"),
+        Path("target"),
+        Path("shards"),
+        train={"max_steps": 2},
+        eval={"at_end": True, "datasets": [str(prompts)], "num_prompts": 2, "max_new_tokens": 8, "batch_size": 2},
+    )
+    config = load_config(recipe, [])
+    run_training(config, command=portable_command(["train", str(recipe)]))
+    export = Path("runs/tiny/export")
+    saved = json.loads((export / "config.json").read_text())
+    assert saved["exported_from"] == {"run": "tiny", "config_sha256": config_digest(config)}
+    target = saved["target_record"]
+    assert (target["name"], target["name_or_path"], target["architecture"]) == ("target", "target", "qwen3")
+    assert (target["num_hidden_layers"], target["hidden_size"], target["vocab_size"]) == (6, 64, 128)
+    assert saved["training_record"]["command"] == "dflash-trainer train .../recipe.yaml"
+    assert saved["training_record"]["steps"] == 2
+    card = (export / "README.md").read_text()
+    assert "| .../prompts.jsonl | 2 |" in card and "2/2 identical" in card
+    machine = [str(tmp_path), str(Path.home())]
+    assert files_mentioning(export, machine) == {}
+
+    # `export` of the run's checkpoint again: same source, records kept, the evaluation of these weights shown.
+    export_command(checkpoint="runs/tiny", out_dir="shipped", dtype="bfloat16")
+    shipped = json.loads(Path("shipped/config.json").read_text())
+    assert shipped["exported_from"] == saved["exported_from"] and shipped["target_record"] == target
+    assert shipped["training_record"]["command"] == saved["training_record"]["command"]
+    assert "| .../prompts.jsonl | 2 |" in Path("shipped/README.md").read_text()
+    assert files_mentioning(Path("shipped"), machine) == {}
+
+    common = dict(datasets=[str(prompts)], num_prompts=1, max_new_tokens=6, temperature=0.0, dtype="float32")
+    eval_command(drafter_path=str(export), target=None, out_dir=None, batch_size=1, **common)
+    report = json.loads((export / "eval" / "eval.json").read_text())
+    assert report["target"] == "target" and [s["batch_rows"] for s in report["datasets"][0]["throughput"]] == [1]
+
+    save_tiny_target(Path("other"), hybrid=True)
+    with pytest.raises(TargetMismatchError, match=r"trained for target 'target' \(qwen3.*not 'other' \(qwen3_5_text"):
+        eval_command(drafter_path=str(export), target="other", out_dir=None, **common)
+    Path("target").rename("moved")
+    with pytest.raises(TargetMismatchError, match=r"drafts for target 'target' .* not on this machine.*--target"):
+        eval_command(drafter_path=str(export), target=None, out_dir=None, **common)
+
+
+def test_export_of_a_checkpoint_whose_target_is_not_here_still_exports(tmp_path, monkeypatch, capsys):
+    from dflash_trainer.train import pipeline
+
+    checkpoint = tmp_path / "run" / "checkpoints" / "step-00000002"
+    checkpoint.mkdir(parents=True)
+    (checkpoint / "config.yaml").write_text("target:\n  name_or_path: no-such-org/no-such-model\n")
+    monkeypatch.setattr(pipeline, "load_drafter_any", lambda path: (random_drafter(), checkpoint))
+    pipeline.export_command(checkpoint=str(checkpoint), out_dir=str(tmp_path / "out"), dtype="float32")
+    config = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert "target_record" not in config and config["exported_from"]["run"] == "run"
+    assert "warning: the export records no target" in capsys.readouterr().out
+    assert "not recorded in this export" in (tmp_path / "out" / "README.md").read_text()

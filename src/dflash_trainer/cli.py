@@ -119,8 +119,10 @@ def cmd_train(args: argparse.Namespace) -> int:
         check_not_in_use(config.run_dir)
         return run_torchrun(args.nproc, without_option(args.argv, "--nproc"))
     from .launch import train_rank
+    from .provenance import portable_command
 
-    return train_rank(config)
+    # The command for the export's model card (torchrun's ranks see it without --nproc; the card names the ranks).
+    return train_rank(config, command=portable_command(["train", *args.argv[1:]]))
 
 
 def cmd_prepare(args: argparse.Namespace) -> int:
@@ -210,6 +212,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
         temperature=args.temperature,
         out_dir=args.out,
         dtype=args.dtype,
+        batch_size=args.batch_size,
     )
     return 0
 
@@ -378,6 +381,12 @@ def build_parser() -> argparse.ArgumentParser:
     evaluate.add_argument("--temperature", type=temperature, default=0.0)
     evaluate.add_argument("--dtype", default="auto", help="target dtype (float32 for the strict lossless check)")
     evaluate.add_argument("--out", default=None, help="where eval.json and the histogram go")
+    evaluate.add_argument(
+        "--batch-size",
+        type=count_from(1),
+        default=None,
+        help="prompts decoded together when timing (default: both 1, one request at a time, and all of a set)",
+    )
     evaluate.set_defaults(run=cmd_eval)
 
     export = sub.add_parser("export", help="write a DFlash checkpoint that vLLM / SGLang / z-lab load")

@@ -316,9 +316,21 @@ class CheckpointConfig:
 
 
 @dataclass
+class WandbConfig:
+    # Weights & Biases project to mirror every metrics record to (empty: off; `pip install dflash-trainer[wandb]`).
+    project: str = ""
+    # Run name (empty: the run directory's name) and team or user (empty: the account's default).
+    name: str = ""
+    entity: str = ""
+    # offline: written under run_dir/wandb without network (`wandb sync` uploads it later); online: streamed.
+    mode: Literal["offline", "online"] = "offline"
+
+
+@dataclass
 class MetricsConfig:
     log_every: int = 10
     tensorboard: bool = True
+    wandb: WandbConfig = field(default_factory=WandbConfig)
     progress_bar: bool = True
     # Seconds between per-stage profiler reports; 0 = off (DFLASH_PROFILE_INTERVAL also switches it on).
     profile_interval: float = 0.0
@@ -340,6 +352,8 @@ class EvalConfig:
     temperature: float = 0.0
     # Run an evaluation after training ends (used by the main command).
     at_end: bool = False
+    # Prompts decoded together when the end evaluation times decoding; null: at batch 1 (latency) and all at once.
+    batch_size: int | None = None
 
     def validate(self) -> None:
         _require(self.every_steps >= 0, "eval.every_steps", "must be >= 0 (0 = off)")
@@ -347,6 +361,7 @@ class EvalConfig:
         _require(self.max_new_tokens >= 1, "eval.max_new_tokens", "must be >= 1")
         _require(self.temperature >= 0, "eval.temperature", "must be >= 0")
         _require(bool(self.datasets), "eval.datasets", "must name at least one prompt set (e.g. [gsm8k])")
+        _require(self.batch_size is None or self.batch_size >= 1, "eval.batch_size", "must be >= 1 (or null)")
 
 
 @dataclass
@@ -392,9 +407,27 @@ class PrepareConfig:
     # (transformers generate), `vllm`, or `openai` (a server at `endpoint.base_url`; the run's GPUs stay free).
     engine: Literal["auto", "engine", "hf", "vllm", "openai"] = "auto"
     endpoint: EndpointConfig = field(default_factory=EndpointConfig)
+    # Category shares of a `mix-general` source (empty: its default, {dialogue: 0.1, chat: 0.35, code: 0.25,
+    # math: 0.25, puzzle: 0.05}): every prefix of the mixture holds the categories in these proportions.
+    shares: dict[str, float] = field(default_factory=dict)
 
     def validate(self) -> None:
         _require(self.max_new_tokens >= 1, "prepare.max_new_tokens", "must be >= 1")
+        if self.shares:
+            from .data.sources.categories import CATEGORIES
+
+            unknown = sorted(set(self.shares) - set(CATEGORIES))
+            _require(not unknown, "prepare.shares", f"unknown categories {unknown} (known: {list(CATEGORIES)})")
+            _require(
+                all(v >= 0 for v in self.shares.values()) and any(v > 0 for v in self.shares.values()),
+                "prepare.shares",
+                "need shares >= 0, at least one > 0",
+            )
+            _require(
+                self.source.partition(":")[0] == "mix-general",
+                "prepare.shares",
+                f"category shares apply to a mix-general source, not {self.source!r}",
+            )
         _require(self.regenerate_batch_size >= 1, "prepare.regenerate_batch_size", "must be >= 1")
         _require(self.limit is None or self.limit >= 1, "prepare.limit", "must be >= 1")
         _require(

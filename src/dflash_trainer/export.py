@@ -40,8 +40,12 @@ follows `dflash_config.causal` (a non-causal sliding layer stays bidirectional o
 FlashAttention window to both sides, PR #46104); SGLang runs sliding layers causal in-block whatever the config
 says. `sliding_causal_in_block: true` is therefore what every engine serves alike.
 
-An export records where it came from (`exported_from`: the run directory or checkpoint). An existing export is
-replaced only by one from the same source; replacing another run's export needs `overwrite=True`.
+An export describes itself (`provenance.py`): `exported_from` (the run's name and its training config's digest,
+never a path of the training machine), `target_record` (the target's identity and tokenizer fingerprint, so that
+`eval --drafter EXPORT` finds the target and refuses another one) and `training_record` (command, data, licences,
+a digest of the weights); and it carries a model card, `README.md` (`model_card.py`), rewritten by
+`refresh_model_card` when an evaluation of its weights exists. An existing export is replaced only by one from the
+same source; replacing another run's export needs `overwrite=True`.
 
 `check_drafter_fits_target` compares a drafter with the target it is about to run against (hidden size,
 vocabulary, layer count, taps) so that a drafter of another target is refused with both values named, not found
@@ -58,6 +62,7 @@ import json
 import os
 import shutil
 import warnings
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -67,6 +72,8 @@ from .durable_io import fsync_dir, read_safetensors, write_bytes, write_safetens
 from .errors import OutputExistsError, UserError, is_storage_error, refuse_file_as_directory, storage_error
 from .model.config import FULL_ATTENTION, SLIDING_ATTENTION, DrafterModelConfig, default_target_layer_ids
 from .model.drafter import DFlashDrafter
+from .model_card import CARD_FILE, has_training_record, render
+from .provenance import SOURCE_KEY, TARGET_KEY, TRAINING_KEY, TargetRecord, drafter_digest
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
@@ -111,9 +118,6 @@ class CheckpointFormatError(UserError, ValueError):
 
 class DrafterMismatchError(UserError, ValueError):
     """A drafter does not fit the target it is asked to run with."""
-
-
-SOURCE_KEY = "exported_from"
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -198,28 +202,39 @@ def export_drafter(
     *,
     dtype: torch.dtype = torch.bfloat16,
     extra_metadata: dict[str, Any] | None = None,
-    source: str | Path | None = None,
+    source: Mapping[str, Any] | None = None,
+    target: TargetRecord | None = None,
+    training: Mapping[str, Any] | None = None,
+    evaluation: Mapping[str, Any] | None = None,
     overwrite: bool = False,
 ) -> Path:
-    """Write `config.json` + `model.safetensors` into `out_dir`, atomically (temporary directory, then rename).
+    """Write `config.json` + `model.safetensors` + `README.md` into `out_dir`, atomically (temporary directory,
+    then rename).
 
-    `extra_metadata` (JSON-serialisable: training step, data, tau...) goes under `training_metadata` in
-    config.json, `source` (the run directory or checkpoint exported) under `exported_from`. An existing
+    `extra_metadata` (JSON-serialisable) goes under `training_metadata` in config.json; `source`
+    (`provenance.run_source`: run name and config digest) under `exported_from`; `target` under `target_record`;
+    `training` (`provenance.training_record`) under `training_record`, with the digest of the exported weights
+    added. `evaluation`: an `eval.json` report, shown in the model card when it is of these weights. An existing
     `out_dir` is replaced only when it is an export of the same source (or `overwrite`); any other non-empty
     directory is refused before anything is written."""
     out_dir = Path(out_dir)
-    source_text = None if source is None else str(Path(source).absolute())
-    _refuse_foreign_directory(out_dir, source_text, overwrite=overwrite)
+    source = None if source is None else dict(source)
+    _refuse_foreign_directory(out_dir, source, overwrite=overwrite)
     config = export_config(drafter.config, dtype=dtype)
     if extra_metadata is not None:
         config["training_metadata"] = extra_metadata
-    if source_text is not None:
-        config[SOURCE_KEY] = source_text
-    config_text = json.dumps(config, indent=2, sort_keys=True) + "\n"  # fails early on unserialisable metadata
+    if source is not None:
+        config[SOURCE_KEY] = source
+    if target is not None:
+        config[TARGET_KEY] = target.to_json()
     state = {
         name: tensor.detach().to(device="cpu", dtype=dtype).contiguous()
         for name, tensor in drafter.state_dict().items()
     }
+    if training is not None:
+        config[TRAINING_KEY] = {**training, "weights_digest": drafter_digest(state)}
+    config_text = json.dumps(config, indent=2, sort_keys=True) + "\n"  # fails early on unserialisable metadata
+    card = render(config, evaluation) if has_training_record(config) else None
 
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     temp_dir = out_dir.parent / f".{out_dir.name}.tmp-{os.getpid()}"
@@ -228,6 +243,8 @@ def export_drafter(
         temp_dir.mkdir()
         write_safetensors(temp_dir / WEIGHTS_FILE, state, metadata={"format": "pt"})
         write_bytes(temp_dir / CONFIG_FILE, config_text.encode("utf-8"))
+        if card is not None:
+            write_bytes(temp_dir / CARD_FILE, card.encode("utf-8"))
         fsync_dir(temp_dir)
         _replace_directory(temp_dir, out_dir)
     except OSError as error:
@@ -237,6 +254,29 @@ def export_drafter(
     finally:
         shutil.rmtree(temp_dir, ignore_errors=True)
     return out_dir
+
+
+def refresh_model_card(export_dir: str | Path, evaluation: Mapping[str, Any] | None) -> bool:
+    """Rewrite the export's `README.md` with `evaluation` (an `eval.json` report) when the export is one of ours
+    and the report is of its weights; returns whether the card now shows it."""
+    export_dir = Path(export_dir)
+    if not (export_dir / CONFIG_FILE).is_file():
+        return False
+    config = _read_json(export_dir / CONFIG_FILE)
+    if not has_training_record(config):
+        return False
+    from .model_card import matching_evaluation
+
+    shown = matching_evaluation(config, evaluation) is not None
+    if shown:
+        write_bytes(export_dir / CARD_FILE, render(config, evaluation).encode("utf-8"))
+    return shown
+
+
+def read_export_config(path: str | Path) -> dict[str, Any] | None:
+    """An export directory's config.json (None for a directory that is no export, e.g. a training checkpoint)."""
+    path = Path(path)
+    return _read_json(path / CONFIG_FILE) if _is_export(path) else None
 
 
 def check_drafter_fits_target(
@@ -269,7 +309,7 @@ def read_drafter_config(path: str | Path) -> DrafterModelConfig:
     raise CheckpointFormatError(f"{path}: no {CONFIG_FILE} (nor {CHECKPOINT_CONFIG_FILE}): not a drafter directory")
 
 
-def _refuse_foreign_directory(out_dir: Path, source: str | None, *, overwrite: bool) -> None:
+def _refuse_foreign_directory(out_dir: Path, source: dict[str, Any] | None, *, overwrite: bool) -> None:
     refuse_file_as_directory(out_dir)
     if not out_dir.exists() or not any(out_dir.iterdir()):
         return
@@ -279,9 +319,15 @@ def _refuse_foreign_directory(out_dir: Path, source: str | None, *, overwrite: b
     if overwrite or existing == source:
         return
     raise OutputExistsError(
-        f"{out_dir}: holds an export of {existing or 'an unrecorded source'}, not of {source or 'this drafter'}; "
+        f"{out_dir}: holds an export of {_describe_source(existing)}, not of {_describe_source(source)}; "
         "choose another --out, or pass --overwrite to replace it"
     )
+
+
+def _describe_source(source: object) -> str:
+    if isinstance(source, Mapping):
+        return f"run {source.get('run')!r} (config {str(source.get('config_sha256'))[:19]})"
+    return str(source) if source else "an unrecorded source"
 
 
 def _is_export(path: Path) -> bool:

@@ -170,8 +170,9 @@ def child_pids(pid: int) -> list[int]:
     return found
 
 
-def train_rank(config: RunConfig) -> int:
-    """One rank's whole training job: stop signals, the process group, failure propagation, the pipeline."""
+def train_rank(config: RunConfig, command: str | None = None) -> int:
+    """One rank's whole training job: stop signals, the process group, failure propagation, the pipeline.
+    `command`: the command line, recorded in the export's model card."""
     from .distributed.failure import FailureChannel
     from .distributed.world import init_world, shutdown_world
     from .train.pipeline import run_training
@@ -179,7 +180,7 @@ def train_rank(config: RunConfig) -> int:
     stop = StopFlag().install()
     world = init_world(config.target.device, timeout_s=config.placement.timeout_s)
     failures = FailureChannel.connect(world, label=f"rank {world.rank}")
-    failures.run(lambda: run_training(config, should_stop=stop, world=world))
+    failures.run(lambda: run_training(config, should_stop=stop, world=world, command=command))
     # Only reached when every rank's training returned: a failure ends the process inside `run`.
     shutdown_world(world)
     return 0

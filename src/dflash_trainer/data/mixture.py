@@ -34,7 +34,7 @@ import random
 import re
 import unicodedata
 from collections import Counter
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -290,6 +290,40 @@ def emphasise(prompts: Sequence[Prompt], weight_of: Callable[[Prompt], float], s
         return u ** (1.0 / weight)
 
     return sorted(prompts, key=key, reverse=True)
+
+
+def stratify(
+    prompts: Sequence[Prompt], category_of: Callable[[Prompt], str], shares: Mapping[str, float]
+) -> list[Prompt]:
+    """The same prompts ordered so that every prefix holds the categories in `shares` as nearly as whole prompts
+    allow; within a category the input order is kept (a seeded shuffle: each category's first k are a uniform
+    sample of it).
+
+    Position n takes the next prompt of the category furthest behind its share, `share * (n + 1) - taken`
+    (ties: the order of `shares`). A category that runs out leaves its place to the others, which then continue
+    in the ratio of their shares. Categories with share 0, or not named, come after all the others. Shares are
+    weights (they need not sum to 1); at least one must be > 0.
+    """
+    if any(not share >= 0 for share in shares.values()) or not any(share > 0 for share in shares.values()):
+        raise ValueError(f"shares {dict(shares)}: need values >= 0, at least one > 0")
+    total = sum(shares.values())
+    weights = {name: share / total for name, share in shares.items() if share > 0}
+    queues: dict[str, list[Prompt]] = {name: [] for name in weights}
+    rest: list[Prompt] = []
+    for prompt in prompts:
+        queue = queues.get(category_of(prompt))
+        (queue if queue is not None else rest).append(prompt)
+    taken = dict.fromkeys(weights, 0)
+    ordered: list[Prompt] = []
+    live = [name for name in weights if queues[name]]
+    while live:
+        position = len(ordered) + 1
+        name = max(live, key=lambda c: weights[c] * position - taken[c])
+        ordered.append(queues[name][taken[name]])
+        taken[name] += 1
+        if taken[name] == len(queues[name]):
+            live.remove(name)
+    return ordered + rest
 
 
 # ----------------------------------------------------------------------------------------------------------

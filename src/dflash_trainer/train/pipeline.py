@@ -22,7 +22,7 @@ from ..data.shards import check_shards_tokenizer
 from ..distributed.world import World, init_world, shutdown_world
 from ..durable_io import check_safetensors_file
 from ..errors import UserError, refuse_file_as_directory
-from ..targets.loader import LoadedTarget, load_target, quantize_target_to_fp8
+from ..targets.loader import LoadedTarget, TargetLoadError, load_target, quantize_target_to_fp8
 from . import checkpoint as ckpt
 from .data_setup import regenerate_for_training
 from .run_lock import hold_run_dir
@@ -34,10 +34,12 @@ def parse_prompt_source(source: str) -> tuple[str, str]:
     return split_set_name(source, "all")
 
 
-def write_prompt_chats(source: str, out_file: Path, *, limit: int | None) -> Path:
+def write_prompt_chats(
+    source: str, out_file: Path, *, limit: int | None, shares: dict[str, float] | None = None
+) -> Path:
     """Prompt set -> chat JSONL whose assistant turn is the set's reference answer (no regeneration)."""
     name, split = parse_prompt_source(source)
-    prompts = load_prompt_set(name, split=split, limit=limit)
+    prompts = load_prompt_set(name, split=split, limit=limit, shares=shares or None)
     out_file.parent.mkdir(parents=True, exist_ok=True)
     tmp = out_file.with_suffix(".tmp")
     with tmp.open("w") as f:
@@ -52,19 +54,21 @@ def write_prompt_chats(source: str, out_file: Path, *, limit: int | None) -> Pat
     return out_file
 
 
-def regeneration_records(source: str, limit: int | None) -> str | list[dict]:
-    """A chat JSONL path as is, or the prompts of a prompt set (`gsm8k:train`) as records to answer."""
+def regeneration_records(source: str, limit: int | None, shares: dict[str, float] | None = None) -> str | list[dict]:
+    """A chat JSONL path as is, or the prompts of a prompt set (`gsm8k:train`) as records to answer. `shares`:
+    category shares of a `mix-general` source."""
     if Path(source).exists():
         return source
     name, split = parse_prompt_source(source)
-    return [{"id": p.id, "messages": list(p.messages)} for p in load_prompt_set(name, split=split, limit=limit)]
+    prompts = load_prompt_set(name, split=split, limit=limit, shares=shares or None)
+    return [{"id": p.id, "messages": list(p.messages)} for p in prompts]
 
 
 def regenerated_chats(
     source: str, target: LoadedTarget, out_dir: Path, config: RunConfig, world: World | None = None
 ) -> list[Path]:
     summary = regenerate_for_training(
-        regeneration_records(source, config.prepare.limit), target, out_dir, config, world
+        regeneration_records(source, config.prepare.limit, config.prepare.shares), target, out_dir, config, world
     )
     if summary is not None and (world is None or world.is_main):
         print(summary.format())
@@ -97,7 +101,11 @@ def ensure_train_data(
         wait_for_shards(shards)
         return shards
     if not config.prepare.regenerate:
-        inputs = [write_prompt_chats(source, Path(f"{shards}-chat") / "chats.jsonl", limit=config.prepare.limit)]
+        inputs = [
+            write_prompt_chats(
+                source, Path(f"{shards}-chat") / "chats.jsonl", limit=config.prepare.limit, shares=config.prepare.shares
+            )
+        ]
     summary = prepare(
         inputs,
         target.tokenizer,
@@ -161,30 +169,41 @@ def startup_checks(config: RunConfig) -> None:
     one must not surface after training). `train --nproc` runs them before torchrun starts, with
     `check_not_in_use` (in a run, rank 0 taking the run directory is that check)."""
     ckpt.preflight(config)
+    if config.metrics.wandb.project:  # the optional sink's package, before any work
+        from .metrics import import_wandb
+
+        import_wandb(config.metrics.wandb.project)
     if config.eval.at_end or config.eval.every_steps:
         for name in config.eval.datasets:
             check_prompt_set_name(name, "test")
 
 
 def run_training(
-    config: RunConfig, *, should_stop: Callable[[], bool] = lambda: False, world: World | None = None
+    config: RunConfig,
+    *,
+    should_stop: Callable[[], bool] = lambda: False,
+    world: World | None = None,
+    command: str | None = None,
 ) -> TrainSummary:
     """Train (colocated or disaggregated, per `placement`), then export, evaluate and plot on the main rank.
     Joins and leaves the process group itself unless given the `world` (launch.py gives it). The job holds the
-    run directory throughout (train/run_lock.py)."""
+    run directory throughout (train/run_lock.py). `command`: the command line that started the run, for the
+    export's model card."""
     startup_checks(config)
     if world is not None:
         with hold_run_dir(config.run_dir, world):
-            return _run_training(config, world, should_stop)
+            return _run_training(config, world, should_stop, command)
     world = init_world(config.target.device, timeout_s=config.placement.timeout_s)
     try:
         with hold_run_dir(config.run_dir, world):
-            return _run_training(config, world, should_stop)
+            return _run_training(config, world, should_stop, command)
     finally:
         shutdown_world(world)
 
 
-def _run_training(config: RunConfig, world: World, should_stop: Callable[[], bool]) -> TrainSummary:
+def _run_training(
+    config: RunConfig, world: World, should_stop: Callable[[], bool], command: str | None
+) -> TrainSummary:
     target = None
     if config.placement.disaggregated:
         from .disaggregated import run_disaggregated
@@ -213,13 +232,16 @@ def _run_training(config: RunConfig, world: World, should_stop: Callable[[], boo
         print(f"stopped at step {summary.steps}; resume with the same command. checkpoint: {summary.last_checkpoint}")
         return summary
     export_dir = run_dir / "export"
-    from ..export import export_drafter
+    from ..export import export_drafter, refresh_model_card
+    from ..provenance import TargetRecord, run_source, training_record
 
     drafter = trainer.exportable_drafter()
     export_drafter(
         drafter,
         export_dir,
-        source=run_dir,
+        source=run_source(run_dir, config),
+        target=TargetRecord.of(trainer.target, config.target.name_or_path),
+        training=training_record(config, command=command, ranks=world.world_size, steps=summary.steps),
         # The run's own directory (possibly copied from another machine, under another path): always its export.
         overwrite=True,
     )
@@ -241,8 +263,10 @@ def _run_training(config: RunConfig, world: World, should_stop: Callable[[], boo
             max_new_tokens=config.eval.max_new_tokens,
             temperature=config.eval.temperature,
             out_dir=run_dir / "eval",
+            batch_size=config.eval.batch_size,
         )
         print(report.format_table())
+        refresh_model_card(export_dir, report.to_dict())  # the card shows the held-out tau of these weights
     plots = []
     if config.metrics.plot_at_end:
         from .plot import plot_run
@@ -373,19 +397,63 @@ def load_drafter_any(path: str | Path, device: torch.device | str = "cpu"):
 
 
 def export_command(*, checkpoint: str, out_dir: str, dtype: str, overwrite: bool = False) -> None:
-    from ..export import export_drafter
+    from ..export import export_drafter, read_export_config
+    from ..provenance import (
+        SOURCE_KEY,
+        TRAINING_KEY,
+        TargetRecord,
+        drafter_digest,
+        read_target_record,
+        run_source,
+        training_record,
+    )
 
     drafter, source = load_drafter_any(checkpoint)
     # A checkpoint's run directory is the export's source: later checkpoints of the run may replace it.
     run = source.parent.parent if source.parent.name == "checkpoints" else source
+    config = run_config_of(source) if (source / "config.yaml").is_file() else None
+    exported_from = run_source(run, config)
+    # What an earlier export of the same run (or the export being exported again) already records: the target
+    # and the command that trained it, which a checkpoint does not hold.
+    again = read_export_config(source)  # an export exported again (another dtype, another place)
+    if again is not None:
+        earlier = again
+        exported_from = again.get(SOURCE_KEY) or exported_from
+    else:
+        previous = read_export_config(run / "export") or {}
+        earlier = previous if previous.get(SOURCE_KEY) == exported_from else {}
+    target = read_target_record(earlier)
+    if target is None and config is not None:
+        try:
+            target = TargetRecord.read(config.target.name_or_path, cache_dir=config.target.cache_dir)
+        except TargetLoadError as error:  # exporting needs no target: say what the export will lack
+            print(f"warning: the export records no target ({error}); `eval --drafter` of it will need --target")
+    known = earlier.get(TRAINING_KEY) or {}
+    training = training_record(config, command=known.get("command"), ranks=known.get("ranks"), steps=None)
+    if config is None and known:
+        training["data"] = known.get("data")
+    digest = drafter_digest(drafter.state_dict())
+    evaluations = [_read_report(path / "eval" / "eval.json") for path in (source, run)]
+    evaluation = next((report for report in evaluations if report.get("drafter_digest") == digest), None)
     export_drafter(
         drafter,
         out_dir,
         dtype=getattr(torch, dtype),
-        source=run,
+        source=exported_from,
+        target=target,
+        training=training,
+        evaluation=evaluation,
         overwrite=overwrite,
     )
     print(f"exported {source} -> {out_dir}")
+
+
+def _read_report(path: Path) -> dict:
+    try:
+        report = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    return report if isinstance(report, dict) else {}
 
 
 def run_config_of(checkpoint: Path) -> RunConfig:
@@ -409,9 +477,11 @@ def eval_command(
     temperature: float,
     out_dir: str | None,
     dtype: str,
+    batch_size: int | None = None,
 ) -> None:
     from ..eval.runner import evaluate
-    from ..export import cast_keeping_rope_fp32, check_drafter_fits_target
+    from ..export import cast_keeping_rope_fp32, check_drafter_fits_target, read_export_config, refresh_model_card
+    from ..provenance import TargetMismatchError, check_target, locate_target, read_target_record
 
     if out_dir:
         refuse_file_as_directory(Path(out_dir))  # before decoding, not when the report is written
@@ -419,15 +489,29 @@ def eval_command(
         check_prompt_set_name(name, "test")
     drafter, source = load_drafter_any(drafter_path)
     target_config = run_config_of(source).target if (source / "config.yaml").is_file() else None
-    if target is None and target_config is None:
+    export_config = read_export_config(source)
+    # An export records its target: found here by its name, recorded path or the cache, and checked after loading.
+    record = read_target_record(export_config) if export_config is not None else None
+    name_or_path = target or (target_config.name_or_path if target_config else None)
+    if name_or_path is None and record is not None:
+        name_or_path = locate_target(record)
+        if name_or_path is None:
+            raise TargetMismatchError(
+                f"{source}: drafts for target {record.describe()}, which is not on this machine (not a built-in "
+                f"name, {record.name_or_path or 'no portable path'} is not here, no converted copy in the target "
+                "cache); pass it with --target"
+            )
+    if name_or_path is None:
         raise ConfigError(f"{source}: no config.yaml to read the target from; pass --target")
     loaded = load_target(
-        target or target_config.name_or_path,
+        name_or_path,
         dtype=dtype,
         # The checkpoint's cache of a converted GGUF target (no second conversion) and attention kernel.
         cache_dir=target_config.cache_dir if target_config else None,
         attn_implementation=target_config.attn_implementation if target_config else "sdpa",
     )
+    if record is not None:
+        check_target(record, loaded, name_or_path, drafter_source=source)
     check_drafter_fits_target(drafter.config, loaded.config, drafter_source=source, target_name=loaded.name)
     # In the target's dtype, as a server runs it (RoPE frequencies stay float32).
     drafter = cast_keeping_rope_fp32(drafter.to(loaded.device), loaded.dtype).eval()
@@ -439,5 +523,9 @@ def eval_command(
         max_new_tokens=max_new_tokens,
         temperature=temperature,
         out_dir=Path(out_dir) if out_dir else source / "eval",
+        batch_size=batch_size,
     )
     print(report.format_table())
+    # The card of an export shows the evaluation kept beside it (the default --out, `eval/` in the export).
+    if export_config is not None and out_dir is None and refresh_model_card(source, report.to_dict()):
+        print(f"model card with these results: {source / 'README.md'}")

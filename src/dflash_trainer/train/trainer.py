@@ -45,7 +45,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from ..config import ConfigError, RunConfig
+from ..config import ConfigError, RunConfig, config_to_dict
 from ..data.sampler import BatchPlan
 from ..devices import resolve_device
 from ..distributed.failure import FaultInjection
@@ -405,6 +405,8 @@ class Trainer:
             tensorboard=self.config.metrics.tensorboard,
             is_main=self.is_main,
             resume_step=self.step if resumed_from else 0,
+            wandb=self.config.metrics.wandb,
+            run_config=config_to_dict(self.config),
         )
         self.progress = Progress(
             self.total_steps, initial=self.step, enabled=self.config.metrics.progress_bar and self.is_main
