@@ -288,9 +288,8 @@ def _chunk(
     chunk, slots, width = part.hidden.shape
     with torch.no_grad():
         logits = F.linear(part.hidden.reshape(chunk * slots, width), weight, bias)  # [C*S, V]
-        ids = torch.topk(logits.to(spec.score_dtype), spec.top_k, dim=-1).indices.view(
-            chunk, slots, spec.top_k
-        )  # highest first
+        # The top-k of the logits as computed (bf16 on a GPU, as the engines rank them), highest first.
+        ids = torch.topk(logits, spec.top_k, dim=-1).indices.view(chunk, slots, spec.top_k)
         del logits
         hit = ids == part.labels.unsqueeze(-1)  # [C, S, K]
         present = hit.any(dim=-1)  # [C, S]: the label is among the served candidates

@@ -47,29 +47,32 @@ class CandidateSelector(nn.Module):
             nn.init.normal_(self.predecessor_codebook, std=std)
             self.successor_codebook.zero_()  # the transition term starts at 0: the walk is the unary argmax
 
-    def transition_scores(self, hidden: Tensor, predecessors: Tensor, candidates: Tensor) -> Tensor:
-        """<A[p] * (P h), C[c]> in float32 for every predecessor p and candidate c of a slot.
+    def transition_scores(
+        self, hidden: Tensor, predecessors: Tensor, candidates: Tensor, *, dtype: torch.dtype = torch.float32
+    ) -> Tensor:
+        """<A[p] * (P h), C[c]> in `dtype` for every predecessor p and candidate c of a slot.
         hidden [..., H], predecessors [..., Pn], candidates [..., K] -> [..., Pn, K]."""
-        gate = F.linear(hidden.float(), self.hidden_projection.weight.float())  # [..., r]
-        left = F.embedding(predecessors, self.predecessor_codebook).float() * gate.unsqueeze(-2)  # [..., Pn, r]
-        right = F.embedding(candidates, self.successor_codebook).float()  # [..., K, r]
+        gate = F.linear(hidden.to(dtype), self.hidden_projection.weight.to(dtype))  # [..., r]
+        left = F.embedding(predecessors, self.predecessor_codebook).to(dtype) * gate.unsqueeze(-2)  # [..., Pn, r]
+        right = F.embedding(candidates, self.successor_codebook).to(dtype)  # [..., K, r]
         return left @ right.transpose(-1, -2)
 
     def candidates(self, logits: Tensor) -> tuple[Tensor, Tensor]:
-        """logits [..., V] -> (candidate ids [..., K], unary scores [..., K] float32), highest first."""
-        unary, ids = torch.topk(logits.float(), self.top_k, dim=-1)
-        return ids, unary
+        """logits [..., V] -> (candidate ids [..., K], unary scores [..., K] in float32 or wider), highest first."""
+        unary, ids = torch.topk(logits, self.top_k, dim=-1)  # ranked in the logits' dtype, as the engines do
+        return ids, unary.to(torch.promote_types(logits.dtype, torch.float32))
 
     @torch.no_grad()
     def walk(self, hidden: Tensor, logits: Tensor, anchor_tokens: Tensor) -> Tensor:
         """The engines' greedy walk. hidden [R, S, H] and logits [R, S, V] of slots 1..B-1, anchor_tokens [R] (the
         slot-0 tokens) -> drafts [R, S]. Fixed shapes, no host sync (runs inside captured decoding steps)."""
         rows, slots, _ = hidden.shape
-        ids, unary = self.candidates(logits)  # [R, S, K]
+        ids, unary = self.candidates(logits)  # [R, S, K], scored in float32 (float64 for float64 inputs)
         # Predecessors of slot i: the anchor (the same for all k rows) at the first slot, else slot i-1's candidates.
         first = anchor_tokens[:, None, None].expand(rows, 1, self.top_k)
         predecessors = torch.cat([first, ids[:, :-1]], dim=1)  # [R, S, K]
-        edges = unary.unsqueeze(-2) + self.transition_scores(hidden, predecessors, ids)  # [R, S, K(pred), K(cand)]
+        transitions = self.transition_scores(hidden, predecessors, ids, dtype=unary.dtype)
+        edges = unary.unsqueeze(-2) + transitions  # [R, S, K (predecessor), K (candidate)]
         previous = torch.zeros(rows, 1, 1, dtype=torch.long, device=hidden.device)  # index of the chosen predecessor
         drafts = []
         for slot in range(slots):
