@@ -5,10 +5,14 @@ the data as the verifier: DFlash2 must reach at least DFlash's held-out tau)."""
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from dflash_trainer.config import load_config
 from dflash_trainer.data.shards import ShardWriter
@@ -16,6 +20,7 @@ from dflash_trainer.export import import_drafter
 from dflash_trainer.model.dflash2 import DFlash2Drafter
 from dflash_trainer.model.drafter import DFlashDrafter
 from dflash_trainer.targets.capture import FeatureCapture, embedding_module, lm_head_module
+from dflash_trainer.train import checkpoint as ckpt
 from dflash_trainer.train.trainer import Trainer
 from train_helpers import VOCAB, save_tiny_target, write_counting_shards, write_recipe
 
@@ -62,6 +67,29 @@ def test_dflash2_loss_falls_and_the_selector_learns(tmp_path, one_thread):
     assert trainer.drafter.candidate_selector.successor_codebook.abs().sum() > 0
     loaded = import_drafter(summary.last_checkpoint)
     assert isinstance(loaded, DFlash2Drafter) and loaded.config == trainer.drafter.config
+    resumed = Trainer(load_config(recipe), log=lambda _: None)
+    assert resumed.maybe_resume() == summary.last_checkpoint and resumed.step == 30
+
+
+@pytest.mark.slow
+def test_two_ddp_ranks_train_the_selector_as_one_rank_with_double_accumulation(tmp_path):
+    """The selector's parameters are read by the loss, outside the drafter's (DDP-wrapped) forward: their gradients
+    must still be averaged over the ranks, like every other parameter's."""
+    target = save_tiny_target(tmp_path / "target")
+    shards = write_counting_shards(tmp_path / "shards", num_samples=40)
+    drafter = {**DFLASH2, "num_layers": 1, "block_size": 4}
+    common = dict(drafter=drafter, train={"max_steps": 4})
+    one = write_recipe(tmp_path / "one.yaml", tmp_path / "one", target, shards, optim={"grad_accum": 2}, **common)
+    two = write_recipe(tmp_path / "two.yaml", tmp_path / "two", target, shards, **common)
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1] / "src"), "OMP_NUM_THREADS": "1"}
+    for recipe, extra in ((one, []), (two, ["--nproc", "2"])):
+        command = [sys.executable, "-m", "dflash_trainer", "train", str(recipe), *extra]
+        proc = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+    weights = [load_file(str(ckpt.latest_checkpoint(tmp_path / run) / "drafter.safetensors")) for run in ("one", "two")]
+    assert weights[0]["candidate_selector.successor_codebook"].abs().sum() > 0  # the selector trained
+    for name, value in weights[0].items():
+        torch.testing.assert_close(weights[1][name], value, rtol=0, atol=1e-5, msg=name)
 
 
 # ----------------------------------------------------------------------------------------------------------
