@@ -14,7 +14,7 @@ from decoding_helpers import one_thread, seeded  # noqa: F401 (one_thread: autou
 from dflash_trainer.data.prompts import load_prompt_set
 from dflash_trainer.decoding.plain import target_generate
 from dflash_trainer.decoding.speculative import SpeculativeDecoder
-from dflash_trainer.eval.runner import encode_prompt, evaluate
+from dflash_trainer.eval.runner import encode_prompt, evaluate, verify_lossless
 from dflash_trainer.model.config import DrafterModelConfig
 from dflash_trainer.model.dflash2 import CandidateSelector, DFlash2Drafter, DFlash2ModelConfig
 from dflash_trainer.targets.loader import LoadedTarget
@@ -118,3 +118,26 @@ def test_evaluate_reports_dflash2_tau_pooled_and_per_prompt(chat_target, tmp_pat
         (result,) = run.results
         per_prompt.append(result.tau)
     assert data.tau_per_prompt == pytest.approx(sum(per_prompt) / 3)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_dflash2_in_captured_cuda_graphs_is_lossless(dtype):
+    """The walk runs inside the captured decoding step: float32 must equal greedy decoding exactly; bf16 may differ
+    only at a near-tie (`verify_lossless`, DESIGN "Lossless check precision")."""
+    device = torch.device("cuda")
+    target = target_model().to(device=device, dtype=dtype)
+    drafter = dflash2_drafter(target, block_size=8).to(device=device, dtype=dtype)
+    batch = prompts(4)
+    run = SpeculativeDecoder(target, drafter, batch, max_new_tokens=64, stop_token_ids=[]).run()
+    assert run.graphs_captured > 0
+    for prompt, result in zip(batch, run.results, strict=True):
+        ids = torch.tensor([prompt], device=device)
+        reference = target_generate(target, ids, max_new_tokens=64, stop_token_ids=[]).output_ids
+        # None when identical; in bf16 a NearTieDivergence is allowed, anything else raises LosslessError.
+        verify_lossless(
+            target_model=target, input_ids=ids, prompt_id="p", target_ids=reference, speculative_ids=result.output_ids
+        )
+        if dtype == torch.float32:
+            assert result.output_ids == reference
