@@ -2,8 +2,10 @@
 
 `Trainer` (train/trainer.py) holds one `SelectorObjective` when `drafter.algorithm` is dflash2 and calls
 `add_term` after the base loss of every micro-batch, `end_step` after every optimizer step and `log_values` on log
-steps. The predecessors follow from the blocks: slot 1's is the block's slot-0 token (the anchor), slot k's the
-label of slot k-1 (`loss.py`, teacher forcing).
+steps. The selector learns the labels the base loss trains on: the data tokens (`label_source` data, and soft,
+whose targets are distributions), or the target's greedy tokens (target_argmax). The predecessors follow from the
+blocks: slot 1's is the block's slot-0 token (the anchor), slot k's the label of slot k-1 (`loss.py`, teacher
+forcing).
 """
 
 from __future__ import annotations
