@@ -116,7 +116,7 @@ def drafter_model_config(config: RunConfig, target: LoadedTarget) -> DrafterMode
     """The one place the drafter's architecture is derived from the recipe and the target."""
     drafter = config.drafter
     mask_token_id = resolve_mask_token_id(drafter.mask_token_id, target)
-    config = DrafterModelConfig.from_target(
+    base = DrafterModelConfig.from_target(
         target.config,
         num_layers=drafter.num_layers,
         block_size=drafter.block_size,
@@ -130,10 +130,10 @@ def drafter_model_config(config: RunConfig, target: LoadedTarget) -> DrafterMode
     )
     if drafter.algorithm == "dflash2":
         try:
-            return DFlash2ModelConfig.extend(config, **dataclasses.asdict(drafter.dflash2))
+            return DFlash2ModelConfig.extend(base, **dataclasses.asdict(drafter.dflash2))
         except ValueError as error:  # a size that does not fit the target (e.g. a group not dividing H)
             raise ConfigError(f"drafter.dflash2: {error}") from None
-    return config
+    return base
 
 
 @dataclass
