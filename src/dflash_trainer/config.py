@@ -78,7 +78,31 @@ def flex_kernel_option_problem(name: str, value: object, *, tile: int = 128) -> 
 
 
 @dataclass
+class DFlash2Config:
+    """DFlash2's additions to the drafter (`drafter.algorithm: dflash2`, model/dflash2/); defaults as in z-lab's
+    published DFlash2 checkpoints."""
+
+    # Taps of the grouped dynamic causal convolution around each sublayer.
+    conv_kernel_size: int = 2
+    # Hidden channels that share one dynamic kernel coefficient (must divide the hidden size).
+    conv_group_size: int = 16
+    # Rank of the path selector's transition score.
+    selector_rank: int = 256
+    # Candidates per slot (the unary top-k) the selector chooses among.
+    selector_top_k: int = 16
+
+    def validate(self) -> None:
+        _require(self.conv_kernel_size >= 1, "drafter.dflash2.conv_kernel_size", "must be >= 1")
+        _require(self.conv_group_size >= 1, "drafter.dflash2.conv_group_size", "must be >= 1")
+        _require(self.selector_rank >= 1, "drafter.dflash2.selector_rank", "must be >= 1")
+        _require(self.selector_top_k >= 1, "drafter.dflash2.selector_top_k", "must be >= 1")
+
+
+@dataclass
 class DrafterConfig:
+    # The block drafter: DFlash, or DFlash2 (DFlash plus in-block convolutions and a path selector, `dflash2`).
+    algorithm: Literal["dflash", "dflash2"] = "dflash"
+    dflash2: DFlash2Config = field(default_factory=DFlash2Config)
     num_layers: int = 5
     # Number of target layers tapped when target_layer_ids is not given (spread evenly, DESIGN §2).
     num_target_features: int = 5
@@ -134,6 +158,11 @@ class DrafterConfig:
         _require(self.num_layers >= 1, "drafter.num_layers", "must be >= 1")
         _require(self.block_size >= 2, "drafter.block_size", "must be >= 2")
         _require(self.num_target_features >= 1, "drafter.num_target_features", "must be >= 1")
+        _require(
+            self.dflash2.conv_kernel_size <= self.block_size,
+            "drafter.dflash2.conv_kernel_size",
+            f"must be <= drafter.block_size ({self.block_size}): the convolution stays inside a block",
+        )
         if self.target_layer_ids is not None:
             _require(bool(self.target_layer_ids), "drafter.target_layer_ids", "must name at least one layer")
             _require(min(self.target_layer_ids) >= 0, "drafter.target_layer_ids", "layer ids must be >= 0")
@@ -230,6 +259,27 @@ class DataConfig:
 
 
 @dataclass
+class SelectorLossConfig:
+    """DFlash2's selector term (model/dflash2/loss.py): L = L_base + alpha * L_sel, alpha scheduled."""
+
+    # alpha after the warmup and ramp.
+    weight: float = 1.0
+    # Fractions of the run's optimizer steps with alpha 0, then rising linearly to `weight`.
+    warmup_ratio: float = 0.0
+    ramp_ratio: float = 0.0
+    # A label missing from the candidates replaces the weakest one in the term (speculators); false: such slots
+    # have no selector term (SpecForge), as the served selector cannot choose them.
+    gold_injection: bool = False
+    # The term trains the selector's parameters only, not the drafter's hidden states (SpecForge's option).
+    stop_gradient: bool = False
+
+    def validate(self) -> None:
+        _require(self.weight >= 0, "loss.selector.weight", "must be >= 0")
+        _require(0.0 <= self.warmup_ratio <= 1.0, "loss.selector.warmup_ratio", "must be in [0, 1]")
+        _require(0.0 <= self.ramp_ratio <= 1.0, "loss.selector.ramp_ratio", "must be in [0, 1]")
+
+
+@dataclass
 class LossConfig:
     # Slot-weight decay; null picks the paper's value for the block size (7 for 16, 5 for 10, 4 for 8).
     gamma: float | None = None
@@ -240,6 +290,8 @@ class LossConfig:
     chunk_blocks: int = 64
     # torch.compile the per-chunk LM head + loss on CUDA (fuses the softmax, CE, argmax and gradient passes).
     compile: bool = True
+    # DFlash2's selector term (used with drafter.algorithm dflash2 only).
+    selector: SelectorLossConfig = field(default_factory=SelectorLossConfig)
 
     def validate(self) -> None:
         _require(self.gamma is None or self.gamma > 0, "loss.gamma", "must be > 0")
@@ -520,6 +572,12 @@ class RunConfig:
             bool(self.run_dir.strip()),
             "run_dir",
             "must name a directory (empty, the run would write its checkpoints into the current one)",
+        )
+        _require(
+            self.drafter.algorithm != "dflash2" or self.placement.sharding != "fsdp2",
+            "placement.sharding",
+            "fsdp2 is not supported with drafter.algorithm dflash2 (its selector's loss reads parameters outside "
+            "the sharded forward); use ddp",
         )
 
 

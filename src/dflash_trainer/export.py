@@ -22,6 +22,8 @@ SGLang read, with no prefix, so export and import are plain state-dict saves and
   layers.{i}.mlp.down_proj.weight             [H, I]
   norm.weight                                 [H]         final norm, read by the target's LM head
 On import, `embed_tokens.*` / `lm_head.*` tensors (some checkpoints ship them) are dropped with a warning.
+DFlash2 drafters (`DFlash2DraftModel`) add their architecture name, four `dflash_config` sizes and the
+convolution and selector weights: `model/dflash2/export.py`.
 
 In-block causality of sliding-window layers (DESIGN §2) is written twice: `dflash_config.sliding_causal_in_block`
 (ours, per-layer exact) and, where it can express it, vLLM's `dflash_config.causal` (one flag for all layers;
@@ -71,7 +73,9 @@ import torch
 from .durable_io import fsync_dir, read_safetensors, write_bytes, write_safetensors
 from .errors import OutputExistsError, UserError, is_storage_error, refuse_file_as_directory, storage_error
 from .model.config import FULL_ATTENTION, SLIDING_ATTENTION, DrafterModelConfig, default_target_layer_ids
-from .model.drafter import DFlashDrafter
+from .model.dflash2 import DFlash2ModelConfig
+from .model.dflash2 import export as dflash2_format
+from .model.drafter import DFlashDrafter, build_drafter
 from .model_card import CARD_FILE, has_training_record, render
 from .provenance import SOURCE_KEY, TARGET_KEY, TRAINING_KEY, TargetRecord, drafter_digest
 
@@ -169,6 +173,8 @@ def export_config(config: DrafterModelConfig, *, dtype: torch.dtype = torch.bflo
     )
     if data["max_window_layers"] is None:
         del data["max_window_layers"]  # sliding layers that are no suffix: `layer_types` alone says which
+    if isinstance(config, DFlash2ModelConfig):
+        dflash2_format.add_export_keys(data, config)  # its architecture name, sizes and weights (model/dflash2/)
     return data
 
 
@@ -335,7 +341,9 @@ def _is_export(path: Path) -> bool:
         config = json.loads((path / CONFIG_FILE).read_text())
     except (OSError, ValueError):
         return False
-    return isinstance(config, dict) and ARCHITECTURE in (config.get("architectures") or [])
+    return isinstance(config, dict) and (
+        ARCHITECTURE in (config.get("architectures") or []) or dflash2_format.is_dflash2_export(config)
+    )
 
 
 def _replace_directory(new: Path, target: Path) -> None:
@@ -374,7 +382,7 @@ def import_drafter(
 def drafter_config_from_export(data: dict[str, Any], *, source: str | Path = CONFIG_FILE) -> DrafterModelConfig:
     """Rebuild `DrafterModelConfig` from an export's config.json (ours, z-lab's, or written for vLLM)."""
     architectures = data.get("architectures") or []
-    if ARCHITECTURE not in architectures:
+    if ARCHITECTURE not in architectures and not dflash2_format.is_dflash2_export(data):
         raise CheckpointFormatError(f"{source}: architectures {architectures} lacks {ARCHITECTURE}")
     dflash = data.get("dflash_config")
     if not isinstance(dflash, dict):
@@ -399,7 +407,7 @@ def drafter_config_from_export(data: dict[str, Any], *, source: str | Path = CON
         # z-lab's loader default: as many taps as drafter layers, spread like ours.
         target_layer_ids = default_target_layer_ids(num_target_layers, num_layers)
     try:
-        return DrafterModelConfig(
+        config = DrafterModelConfig(
             hidden_size=hidden,
             num_attention_heads=heads,
             num_key_value_heads=data.get("num_key_value_heads") or heads,
@@ -419,6 +427,9 @@ def drafter_config_from_export(data: dict[str, Any], *, source: str | Path = CON
             sliding_causal_in_block=_sliding_causal(data, dflash, layer_types, source),
             attention_bias=bool(data.get("attention_bias", False)),
         )
+        if dflash2_format.is_dflash2_export(data):
+            config = dflash2_format.config_from_export(config, data)
+        return config
     except ValueError as error:
         raise CheckpointFormatError(f"{source}: {error}") from error
 
@@ -515,7 +526,7 @@ def _build_drafter(
         )
         state = {name: tensor for name, tensor in state.items() if name not in dropped}
     with torch.device(device):
-        drafter = DFlashDrafter(config)
+        drafter = build_drafter(config)
     expected = set(drafter.state_dict())
     missing, unexpected = sorted(expected - set(state)), sorted(set(state) - expected)
     if missing or unexpected:
@@ -558,12 +569,13 @@ def save_drafter_config(config: DrafterModelConfig, path: str | Path) -> None:
 
 def load_drafter_config(path: str | Path) -> DrafterModelConfig:
     data = _read_json(Path(path))
-    known = {field.name for field in dataclasses.fields(DrafterModelConfig)}
+    config_class = DFlash2ModelConfig if data.get("algorithm") == "dflash2" else DrafterModelConfig
+    known = {field.name for field in dataclasses.fields(config_class)}
     unknown = sorted(set(data) - known)
     if unknown:
         raise CheckpointFormatError(f"{path}: unknown keys {unknown} (known: {sorted(known)})")
     try:
-        return DrafterModelConfig(**data)
+        return config_class(**data)
     except (TypeError, ValueError) as error:
         raise CheckpointFormatError(f"{path}: {error}") from error
 

@@ -23,7 +23,9 @@ layers those within W of the query; DESIGN §2), which `tests/test_speculative.p
 forward.
 
 `DraftProposer.propose(...)` runs one drafter pass for every row: block `[last, MASK x (B-1)]` at positions
-n..n+B-1, context extended by the given features, drafts = argmax of the target's LM head on slots 1..B-1.
+n..n+B-1, context extended by the given features, drafts = the drafter's choice from the target's LM head on slots
+1..B-1 (`DFlashDrafter.draft_tokens`: each slot's argmax; DFlash2's selector walks its candidates from the block's
+first token, `model/dflash2/selector.py`).
 """
 
 from __future__ import annotations
@@ -143,4 +145,4 @@ class DraftProposer:
             cache=self.context,
         )  # [R, B, H]
         logits = self.lm_head(hidden[:, 1:].to(self.lm_head.weight.dtype))  # [R, B-1, V]
-        return logits.argmax(dim=-1)
+        return self.drafter.draft_tokens(hidden[:, 1:], logits, last_token)

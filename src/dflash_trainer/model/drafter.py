@@ -194,13 +194,16 @@ class DrafterLayer(nn.Module):
 
 
 class DFlashDrafter(nn.Module):
+    # A block drafter of another family subclasses this one and swaps its layer (model/dflash2/).
+    layer_class: type[DrafterLayer] = DrafterLayer
+
     def __init__(self, config: DrafterModelConfig) -> None:
         super().__init__()
         self.config = config
         hidden = config.hidden_size
         self.fc = nn.Linear(config.num_features * hidden, hidden, bias=False)
         self.hidden_norm = RMSNorm(hidden, config.rms_norm_eps)
-        self.layers = nn.ModuleList(DrafterLayer(config, i) for i in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(self.layer_class(config, i) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(hidden, config.rms_norm_eps)
         # Recompute each layer's activations in the backward instead of keeping them (set by the trainer from
         # `drafter.activation_checkpointing`): a layer keeps only its input, [R, N*B, H], instead of about 16x that
@@ -278,6 +281,11 @@ class DFlashDrafter(nn.Module):
                 x = layer(x, ctx, block_rope, ctx_rope, mask, backend, cache)
         return self.norm(x)
 
+    def draft_tokens(self, hidden: Tensor, logits: Tensor, anchor_tokens: Tensor) -> Tensor:
+        """The drafts of slots 1..B-1 from their final hidden states [R, B-1, H] and LM-head logits [R, B-1, V]
+        (`anchor_tokens` [R]: slot 0's token): DFlash takes each slot's argmax independently."""
+        return logits.argmax(dim=-1)
+
     def set_flex_kernel_options(self, options: dict[str, int | bool]) -> None:
         """Tiles, warps and stages of flex_attention's kernels in every layer (`drafter.flex_kernel_options`,
         checked by config.flex_kernel_option_problem); set before the first compiled call, which bakes them in."""
@@ -311,3 +319,17 @@ class DFlashDrafter(nn.Module):
             self._project_context = compile_dynamic(project_context, backend=backend, **options)
         else:
             self.hidden_norm.compile(dynamic=True, backend=backend, **options)
+
+
+def build_drafter(config: DrafterModelConfig) -> DFlashDrafter:
+    """The drafter of `config`'s algorithm, freshly initialised: DFlash (this module) or DFlash2 (model/dflash2/).
+
+    Every block drafter shares this module's context projection, KV injection, masks and layer stack; each family
+    beyond DFlash is one package beside model/dflash2/ of the same shape (a config subclass, a drafter subclass
+    with its own layer or head, its loss term, its export keys), chosen here by its config class: see
+    model/dflash2/__init__.py for where DSpark and DSpine would go."""
+    from .dflash2 import DFlash2Drafter, DFlash2ModelConfig  # the subpackage builds on this module
+
+    if isinstance(config, DFlash2ModelConfig):
+        return DFlash2Drafter(config)
+    return DFlashDrafter(config)

@@ -54,7 +54,8 @@ from ..errors import UserError
 from ..model.anchors import block_state_rows, gather_block_states, kept_blocks_only
 from ..model.attention import build_masks, resolve_backend
 from ..model.config import DrafterModelConfig
-from ..model.drafter import DFlashDrafter
+from ..model.dflash2 import DFlash2ModelConfig, SelectorObjective
+from ..model.drafter import build_drafter
 from ..model.fp8 import fp8_training_problem
 from ..model.loss import (
     LossMetrics,
@@ -118,7 +119,7 @@ def drafter_model_config(config: RunConfig, target: LoadedTarget) -> DrafterMode
     """The one place the drafter's architecture is derived from the recipe and the target."""
     drafter = config.drafter
     mask_token_id = resolve_mask_token_id(drafter.mask_token_id, target)
-    return DrafterModelConfig.from_target(
+    base = DrafterModelConfig.from_target(
         target.config,
         num_layers=drafter.num_layers,
         block_size=drafter.block_size,
@@ -130,6 +131,12 @@ def drafter_model_config(config: RunConfig, target: LoadedTarget) -> DrafterMode
         sliding_window=drafter.sliding_window,
         sliding_causal_in_block=drafter.sliding_causal_in_block,
     )
+    if drafter.algorithm == "dflash2":
+        try:
+            return DFlash2ModelConfig.extend(base, **dataclasses.asdict(drafter.dflash2))
+        except ValueError as error:  # a size that does not fit the target (e.g. a group not dividing H)
+            raise ConfigError(f"drafter.dflash2: {error}") from None
+    return base
 
 
 @dataclass
@@ -321,7 +328,7 @@ class Trainer:
             self.drafter = import_drafter(self.config.drafter.init_from, device=self.device, dtype=torch.float32)
             self.model_config = self.drafter.config
         else:
-            self.drafter = DFlashDrafter(self.model_config).to(self.device)  # fp32 master weights
+            self.drafter = build_drafter(self.model_config).to(self.device)  # fp32 master weights
             if self.config.drafter.init_layers_from_target is not None:
                 self._copy_target_layers(self.config.drafter.init_layers_from_target)
         self.drafter.set_flex_kernel_options(self.config.drafter.flex_kernel_options)
@@ -342,6 +349,7 @@ class Trainer:
         self._tables_in_data_stage = self.backend == "flex" and self.config.drafter.mask_builder == "anchors"
         self._setup_target_side()
         self.gamma = self.config.loss.gamma or default_gamma(self.model_config.block_size)
+        self.selector_objective = self._selector_objective()
         precision = self.config.train.precision
         use_bf16 = precision == "bf16" or (precision == "auto" and self.device.type == "cuda")
         self.autocast_dtype = torch.bfloat16 if use_bf16 else None
@@ -353,6 +361,23 @@ class Trainer:
         scaling = self.config.drafter.fp8_scaling
         converted, kept = self.drafter.use_fp8_training(scaling)
         self.log(f"drafter: {converted} linear layers train in FP8 ({scaling} scales), {kept} in high precision")
+
+    def _selector_objective(self) -> SelectorObjective | None:
+        """DFlash2's selector term beside the base loss (model/dflash2/objective.py); None for DFlash."""
+        if not isinstance(self.model_config, DFlash2ModelConfig):
+            return None
+        selector = self.config.loss.selector
+        return SelectorObjective(
+            block_size=self.model_config.block_size,
+            gamma=self.gamma,
+            chunk_blocks=self.config.loss.chunk_blocks,
+            weight=selector.weight,
+            warmup_ratio=selector.warmup_ratio,
+            ramp_ratio=selector.ramp_ratio,
+            gold_injection=selector.gold_injection,
+            stop_gradient=selector.stop_gradient,
+            device=self.device,
+        )
 
     def _copy_target_layers(self, spec: list[int]) -> None:
         layers = decoder_module(self.target.model).layers
@@ -518,6 +543,8 @@ class Trainer:
         self.window_metrics.add_(
             LossMetrics.from_tensor(torch.where(flags.flags[0] > 0, 0.0, step_metrics.to_tensor()))
         )
+        if self.selector_objective is not None:
+            self.selector_objective.end_step(skipped=flags.flags[0])
         self.last_grad_norm = grad_norm
         tokens = sum(b.num_tokens for b in micro_batches)
         self.window_blocks += sum(b.num_blocks for b in micro_batches)
@@ -630,6 +657,19 @@ class Trainer:
                     compile=loss_config.compile,
                     target_logits=target_logits,
                 )
+                if self.selector_objective is not None:
+                    result = self.selector_objective.add_term(
+                        result,
+                        selector=self.drafter.candidate_selector,
+                        hidden=kept(hidden),
+                        lm_head_weight=self.lm_head.weight,
+                        lm_head_bias=getattr(self.lm_head, "bias", None),
+                        block_ids=kept(batch.block_ids.view(rows, num_blocks, block)),
+                        labels=kept(labels),
+                        valid=kept(batch.valid),
+                        step=self.step,
+                        total_steps=self.total_steps,
+                    )
         with self.profiler.stage("backward"):
             (result.loss * scale).backward()
         return result.metrics
@@ -700,6 +740,8 @@ class Trainer:
             values["wait_prefetch_s"] = (self._prefetcher.wait_s - self._logged_prefetch_wait_s) / self.window_steps
             self._logged_prefetch_wait_s = self._prefetcher.wait_s
         values.update(self._placement_log_values(self.window_steps))
+        if self.selector_objective is not None:
+            values.update(self.selector_objective.log_values(self.group, self.group_size))
         eta = self.progress.eta_seconds()
         if eta is not None:
             values["eta_s"] = eta

@@ -1,0 +1,76 @@
+"""The DFlash2 drafter: the DFlash drafter (`model/drafter.py`) with a convolution around each sublayer and a path
+selector on its outputs. Everything else is DFlash's own code: context projection, KV injection, masks, RoPE.
+
+One layer, with conv_a / conv_m the layer's `attention_conv` / `mlp_conv` (`conv.py`):
+
+    h, k_a = conv_a.prepare(input_layernorm(x))          # convolve the normed input; k_a from the same input
+    x = x + conv_a.finish(self_attn(h, ctx), k_a)        # block K/V read h; the context K/V read ctx unchanged
+    h, k_m = conv_m.prepare(post_attention_layernorm(x))
+    x = x + conv_m.finish(mlp(h), k_m)
+
+The final norm, the target's LM head and the selector (`selector.py`) then turn slots 1..B-1 into drafts
+(`draft_tokens`). Parameter names are those of z-lab's `DFlash2DraftModel` checkpoints:
+`layers.{i}.attention_conv.{base_kernel, kernel_projection.weight}`, `layers.{i}.mlp_conv.(same)`,
+`candidate_selector.{hidden_projection.weight, predecessor_codebook, successor_codebook}`.
+"""
+
+from __future__ import annotations
+
+from torch import Tensor
+
+from ..attention import Backend
+from ..drafter import ContextCache, DFlashDrafter, DrafterLayer
+from .config import DFlash2ModelConfig
+from .conv import GroupedDynamicCausalConv
+from .selector import CandidateSelector
+
+
+class DFlash2Layer(DrafterLayer):
+    def __init__(self, config: DFlash2ModelConfig, layer: int) -> None:
+        super().__init__(config, layer)
+        sizes = dict(taps=config.conv_kernel_size, group_size=config.conv_group_size, block_size=config.block_size)
+        self.attention_conv = GroupedDynamicCausalConv(config.hidden_size, **sizes)
+        self.mlp_conv = GroupedDynamicCausalConv(config.hidden_size, **sizes)
+
+    def forward(
+        self,
+        x: Tensor,  # [R, N*B, H] whole blocks
+        ctx: Tensor,
+        block_rope: tuple[Tensor, Tensor],
+        ctx_rope: tuple[Tensor, Tensor],
+        mask: object | None,
+        backend: Backend,
+        cache: ContextCache | None,
+    ) -> Tensor:
+        layer = self.layer if cache is not None else 0  # as in DrafterLayer: read only at inference
+        h, attention_kernel = self.attention_conv.prepare(self.input_layernorm(x))
+        h = self.self_attn(h, ctx, block_rope, ctx_rope, mask, backend, cache=cache, layer=layer)
+        x = x + self.attention_conv.finish(h, attention_kernel)
+        h, mlp_kernel = self.mlp_conv.prepare(self.post_attention_layernorm(x))
+        return x + self.mlp_conv.finish(self.mlp(h), mlp_kernel)
+
+
+class DFlash2Drafter(DFlashDrafter):
+    layer_class = DFlash2Layer
+    config: DFlash2ModelConfig
+
+    def __init__(self, config: DFlash2ModelConfig) -> None:
+        super().__init__(config)
+        self.candidate_selector = CandidateSelector(
+            config.hidden_size, config.vocab_size, rank=config.selector_rank, top_k=config.selector_top_k
+        )
+
+    def reset_parameters(self, std: float = 0.02) -> None:
+        """DFlash's initialisation, then the convolutions as identities and the selector as a no-op on the unary
+        scores (`conv.py`, `selector.py`): a new DFlash2 drafter drafts what the DFlash drafter of its weights would.
+        (DFlashDrafter's own initialiser runs this before the selector exists; the selector initialises itself.)"""
+        super().reset_parameters(std)
+        for module in self.modules():
+            if isinstance(module, GroupedDynamicCausalConv):
+                module.reset_parameters()
+            elif isinstance(module, CandidateSelector):
+                module.reset_parameters(std)
+
+    def draft_tokens(self, hidden: Tensor, logits: Tensor, anchor_tokens: Tensor) -> Tensor:
+        """The selector's greedy walk over the unary top-k from the anchor (`selector.py`)."""
+        return self.candidate_selector.walk(hidden, logits, anchor_tokens)

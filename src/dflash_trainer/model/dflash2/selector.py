@@ -1,0 +1,82 @@
+"""DFlash2's path selector: chooses one token per block slot among the unary top-k, conditioned on the slot before.
+
+For the drafts of one block (slots 1..B-1, hidden states h_i after the final norm, unary logits z_i = the target's
+LM head on h_i), with codebooks A (predecessor) and C (successor), both [V, r], and a projection P [r, H]:
+
+    candidates_i = top-k of z_i (k = `selector_top_k`), u_i = their logits            (the unary scores)
+    edge_i(p -> c) = u_i[c] + < A[p] * (P h_i), C[c] >                                  (p: the token at slot i-1)
+
+The engines walk the block greedily from the verified anchor: p_1 = the block's slot-0 token (the last committed
+token), then at each slot the candidate with the highest edge score from the token chosen at the slot before,
+which becomes the next predecessor (ties: the lower candidate index, i.e. the higher unary logit, since the top-k
+is sorted). One drafter pass still proposes the whole block: the scores of every (predecessor, candidate) pair of
+adjacent slots are computed in parallel, and only the k-wide walk is sequential. (At temperature > 0 the engines
+sample the walk with a Gumbel draw and hand the walk's distribution over the k candidates to rejection sampling;
+our verifier matches drafts against the target's own seeded choices, so drafts only need to be good guesses and
+the greedy walk serves every temperature.)
+
+The score uses the unary logits exactly as the LM head gives them (z-lab's optional `output_multiplier` and
+`final_logit_softcapping` are not used by our drafters, whose head is the target's). Initialised with the
+successor codebook at zero, so a new selector reproduces the unary argmax.
+
+Sources (read, not copied): z-lab/dflash `dflash/model.py` (`CandidateSelector.select`), vLLM
+`model_executor/models/qwen3_dflash2.py` (`_score_edges`, `compute_candidates`) and
+`v1/worker/gpu/spec_decode/dflash2/speculator.py` (`_selector_walk_kernel`).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+
+class CandidateSelector(nn.Module):
+    def __init__(self, hidden_size: int, vocab_size: int, *, rank: int, top_k: int) -> None:
+        super().__init__()
+        self.top_k = top_k
+        # Names and shapes as in the published checkpoints (codebooks are bare tensors there, no `.weight`).
+        self.hidden_projection = nn.Linear(hidden_size, rank, bias=False)
+        self.predecessor_codebook = nn.Parameter(torch.empty(vocab_size, rank))
+        self.successor_codebook = nn.Parameter(torch.empty(vocab_size, rank))
+        self.reset_parameters()
+
+    def reset_parameters(self, std: float = 0.02) -> None:
+        with torch.no_grad():
+            nn.init.normal_(self.hidden_projection.weight, std=std)
+            nn.init.normal_(self.predecessor_codebook, std=std)
+            self.successor_codebook.zero_()  # the transition term starts at 0: the walk is the unary argmax
+
+    def transition_scores(
+        self, hidden: Tensor, predecessors: Tensor, candidates: Tensor, *, dtype: torch.dtype = torch.float32
+    ) -> Tensor:
+        """<A[p] * (P h), C[c]> in `dtype` for every predecessor p and candidate c of a slot.
+        hidden [..., H], predecessors [..., Pn], candidates [..., K] -> [..., Pn, K]."""
+        gate = F.linear(hidden.to(dtype), self.hidden_projection.weight.to(dtype))  # [..., r]
+        left = F.embedding(predecessors, self.predecessor_codebook).to(dtype) * gate.unsqueeze(-2)  # [..., Pn, r]
+        right = F.embedding(candidates, self.successor_codebook).to(dtype)  # [..., K, r]
+        return left @ right.transpose(-1, -2)
+
+    def candidates(self, logits: Tensor) -> tuple[Tensor, Tensor]:
+        """logits [..., V] -> (candidate ids [..., K], unary scores [..., K] in float32 or wider), highest first."""
+        unary, ids = torch.topk(logits, self.top_k, dim=-1)  # ranked in the logits' dtype, as the engines do
+        return ids, unary.to(torch.promote_types(logits.dtype, torch.float32))
+
+    @torch.no_grad()
+    def walk(self, hidden: Tensor, logits: Tensor, anchor_tokens: Tensor) -> Tensor:
+        """The engines' greedy walk. hidden [R, S, H] and logits [R, S, V] of slots 1..B-1, anchor_tokens [R] (the
+        slot-0 tokens) -> drafts [R, S]. Fixed shapes, no host sync (runs inside captured decoding steps)."""
+        rows, slots, _ = hidden.shape
+        ids, unary = self.candidates(logits)  # [R, S, K], scored in float32 (float64 for float64 inputs)
+        # Predecessors of slot i: the anchor (the same for all k rows) at the first slot, else slot i-1's candidates.
+        first = anchor_tokens[:, None, None].expand(rows, 1, self.top_k)
+        predecessors = torch.cat([first, ids[:, :-1]], dim=1)  # [R, S, K]
+        transitions = self.transition_scores(hidden, predecessors, ids, dtype=unary.dtype)
+        edges = unary.unsqueeze(-2) + transitions  # [R, S, K (predecessor), K (candidate)]
+        previous = torch.zeros(rows, 1, 1, dtype=torch.long, device=hidden.device)  # index of the chosen predecessor
+        drafts = []
+        for slot in range(slots):
+            row = edges[:, slot].gather(1, previous.expand(rows, 1, self.top_k))[:, 0]  # [R, K]
+            previous = row.argmax(dim=-1)[:, None, None]
+            drafts.append(ids[:, slot].gather(1, previous[:, 0]))  # [R, 1]
+        return torch.cat(drafts, dim=1)

@@ -1,0 +1,404 @@
+"""DFlash2 (model/dflash2/): the convolution and selector against their formulas, the selector's loss and gradients
+against a dense float64 reference, its metrics against the walk, and the export against an independent
+implementation of the engines' forward (tests/dflash2_reference.py)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from dflash2_reference import ReferenceDFlash2
+from dflash_trainer.config import ConfigError, load_config
+from dflash_trainer.export import (
+    CheckpointFormatError,
+    export_drafter,
+    import_drafter,
+    load_drafter_config,
+    save_drafter_config,
+)
+from dflash_trainer.model.attention import build_masks
+from dflash_trainer.model.dflash2 import (
+    CandidateSelector,
+    DFlash2Drafter,
+    DFlash2ModelConfig,
+    GroupedDynamicCausalConv,
+    selector_loss,
+    selector_weight_at,
+)
+from dflash_trainer.model.drafter import DFlashDrafter, build_drafter
+from dflash_trainer.model.loss import slot_weights
+from model_helpers import random_packed_batch, tiny_drafter_config
+
+DFLASH2_SIZES = dict(conv_kernel_size=2, conv_group_size=8, selector_rank=8, selector_top_k=6)
+
+
+def dflash2_config(**overrides) -> DFlash2ModelConfig:
+    sizes = {**DFLASH2_SIZES, **{k: overrides.pop(k) for k in list(overrides) if k in DFLASH2_SIZES}}
+    return DFlash2ModelConfig.extend(tiny_drafter_config(**overrides), **sizes)
+
+
+def randomise(drafter: DFlash2Drafter, seed: int = 0, *, everything: bool = False) -> DFlash2Drafter:
+    """Move the convolutions and the selector away from their identity / no-op initialisation (`everything`: all
+    weights, so that the slots of a block differ as much as a trained drafter's do)."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, parameter in drafter.named_parameters():
+            if everything or "conv" in name or "candidate_selector" in name:
+                noise = torch.randn(parameter.shape, generator=gen, dtype=torch.float64).to(parameter.dtype)
+                parameter.add_(0.3 * noise)
+    return drafter
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Convolution
+
+
+def naive_conv(x, delta, base, *, block_size, group):
+    """out[i, c] = sum_t (base[t, c] + delta[i, t, c // group]) * x[i - t, c], i and i - t in the same block."""
+    out = torch.zeros_like(x)
+    for row in range(x.shape[0]):
+        for i in range(x.shape[1]):
+            for t in range(base.shape[0]):
+                if (i % block_size) - t >= 0:
+                    out[row, i] += (base[t] + delta[row, i, t].repeat_interleave(group)) * x[row, i - t]
+    return out
+
+
+@pytest.mark.parametrize("taps", [1, 2, 3])
+def test_convolution_is_the_grouped_dynamic_causal_formula_within_each_block(taps):
+    torch.manual_seed(0)
+    conv = GroupedDynamicCausalConv(16, taps=taps, group_size=4, block_size=4).double()
+    with torch.no_grad():
+        conv.base_kernel.normal_()
+        conv.kernel_projection.weight.normal_()
+    x = torch.randn(2, 12, 16, dtype=torch.float64)  # three blocks per row
+    y = torch.randn(2, 12, 16, dtype=torch.float64)
+    prepared, kernel = conv.prepare(x)
+    delta = (x @ conv.kernel_projection.weight.T).view(2, 12, 2, taps, 4)
+    base = conv.base_kernel.detach()
+    torch.testing.assert_close(prepared, naive_conv(x, delta[:, :, 0], base[0], block_size=4, group=4))
+    torch.testing.assert_close(conv.finish(y, kernel), naive_conv(y, delta[:, :, 1], base[1], block_size=4, group=4))
+
+
+def test_new_dflash2_drafter_computes_what_dflash_computes_with_the_same_weights():
+    config = dflash2_config()
+    base_config = tiny_drafter_config()
+    dflash = DFlashDrafter(base_config).double()
+    dflash2 = DFlash2Drafter(config).double()
+    result = dflash2.load_state_dict(dflash.state_dict(), strict=False)
+    assert result.unexpected_keys == []
+    assert all("conv" in key or "candidate_selector" in key for key in result.missing_keys)
+    batch = random_packed_batch(base_config)
+    hidden = {name: run_training_forward(model, batch) for name, model in (("dflash", dflash), ("dflash2", dflash2))}
+    torch.testing.assert_close(hidden["dflash2"], hidden["dflash"], rtol=0, atol=0)
+    # And the untrained selector drafts each slot's argmax.
+    logits = torch.randn(3, 5, config.vocab_size, dtype=torch.float64)
+    hidden_states = torch.randn(3, 5, config.hidden_size, dtype=torch.float64)
+    drafts = dflash2.draft_tokens(hidden_states, logits, torch.tensor([1, 2, 3]))
+    assert torch.equal(drafts, logits.argmax(dim=-1))
+
+
+def run_training_forward(drafter, batch, embed=None):
+    config = drafter.config
+    embed = torch.randn(config.vocab_size, config.hidden_size, generator=torch.Generator().manual_seed(5))
+    masks = build_masks(
+        anchors=batch.anchors,
+        anchor_keep=batch.anchor_keep,
+        doc_ids=batch.doc_ids,
+        block_size=config.block_size,
+        variants=drafter.mask_variants,
+        backend="sdpa",
+    )
+    dtype = drafter.fc.weight.dtype
+    return drafter(
+        features=batch.features.to(dtype),
+        block_embeds=embed[batch.block_ids].to(dtype),
+        ctx_positions=batch.position_ids,
+        block_positions=batch.block_pos,
+        masks=masks,
+    )
+
+
+def test_the_convolution_never_mixes_neighbouring_blocks():
+    """A block's outputs do not change when another block of the same row changes its tokens."""
+    config = dflash2_config()
+    drafter = randomise(DFlash2Drafter(config).double())
+    batch = random_packed_batch(config, rows=1, length=40, max_anchors=4)
+    assert batch.anchors.shape[1] >= 2
+    before = run_training_forward(drafter, batch)
+    batch.block_ids[0, config.block_size :] = (batch.block_ids[0, config.block_size :] + 7) % config.vocab_size
+    after = run_training_forward(drafter, batch)
+    torch.testing.assert_close(after[0, : config.block_size], before[0, : config.block_size], rtol=0, atol=0)
+    assert not torch.allclose(after[0, config.block_size :], before[0, config.block_size :])
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Selector
+
+
+def loop_walk(selector: CandidateSelector, hidden, logits, anchor):
+    """z-lab's reading: slot by slot, score the k candidates from the previous choice."""
+    gate = hidden @ selector.hidden_projection.weight.T
+    rows = []
+    for r in range(hidden.shape[0]):
+        previous, drafts = int(anchor[r]), []
+        for slot in range(hidden.shape[1]):
+            unary, ids = torch.topk(logits[r, slot], selector.top_k)
+            left = selector.predecessor_codebook[previous] * gate[r, slot]
+            previous = int(ids[int(torch.argmax(unary + selector.successor_codebook[ids] @ left))])
+            drafts.append(previous)
+        rows.append(drafts)
+    return torch.tensor(rows)
+
+
+def test_walk_follows_the_previous_choice_like_the_engines():
+    torch.manual_seed(0)
+    selector = CandidateSelector(16, 40, rank=8, top_k=5).double()
+    with torch.no_grad():  # strong transitions: the walk departs from the argmax
+        for parameter in selector.parameters():
+            parameter.normal_()
+    hidden = torch.randn(4, 7, 16, dtype=torch.float64)
+    logits = torch.randn(4, 7, 40, dtype=torch.float64)
+    anchor = torch.tensor([0, 5, 9, 39])
+    drafts = selector.walk(hidden, logits, anchor)
+    assert torch.equal(drafts, loop_walk(selector, hidden, logits, anchor))
+    assert not torch.equal(drafts, logits.argmax(dim=-1))
+
+
+def reference_selector_loss(hidden, head, selector, labels, predecessors, valid, *, gamma, gold, stop):
+    """Dense float64 autograd version of model/dflash2/loss.py (full logits, no chunks, no custom Function)."""
+    block = hidden.shape[2]
+    h = hidden[:, :, 1:]
+    target_tokens = labels[:, :, 1:]
+    ids = torch.topk(h.detach() @ head.T, selector.top_k, dim=-1).indices
+    present = (ids == target_tokens[..., None]).any(-1)
+    if gold:
+        ids = ids.clone()
+        ids[..., -1] = torch.where(present, ids[..., -1], target_tokens)
+    source = h.detach() if stop else h
+    unary = (source @ head.T).gather(-1, ids)
+    gate = source @ selector.hidden_projection.weight.T
+    left = selector.predecessor_codebook[predecessors[:, :, 1:]] * gate
+    scores = unary + torch.einsum("rnsq,rnskq->rnsk", left, selector.successor_codebook[ids])
+    target = (ids == target_tokens[..., None]).double().argmax(-1)
+    ce = torch.logsumexp(scores, -1) - scores.gather(-1, target[..., None])[..., 0]
+    counted = valid[:, :, 1:] & (present | gold)
+    weights = slot_weights(block, gamma, dtype=torch.float64)[1:] * counted
+    return (weights * torch.where(counted, ce, 0.0)).sum() / weights.sum()
+
+
+@pytest.mark.parametrize(("gold", "stop", "chunk"), [(False, False, 1), (True, False, 2), (False, True, 64)])
+def test_selector_loss_and_gradients_match_a_dense_reference(gold, stop, chunk):
+    torch.manual_seed(0)
+    rows, blocks, block, width, vocab = 2, 3, 5, 12, 30
+    selector = CandidateSelector(width, vocab, rank=6, top_k=8).double()
+    with torch.no_grad():
+        for parameter in selector.parameters():
+            parameter.normal_(std=0.5)
+    head = torch.randn(vocab, width, dtype=torch.float64)
+    hidden = torch.randn(rows, blocks, block, width, dtype=torch.float64, requires_grad=True)
+    labels = torch.randint(0, vocab, (rows, blocks, block))
+    # Make about half the labels candidates, so both the counted and the missing cases occur.
+    best = (hidden.detach() @ head.T).argmax(-1)
+    labels = torch.where(torch.rand(rows, blocks, block) < 0.5, best, labels)
+    predecessors = torch.randint(0, vocab, (rows, blocks, block))
+    valid = torch.rand(rows, blocks, block) < 0.8
+    valid[..., 0] = False
+
+    out = selector_loss(
+        hidden,
+        head,
+        selector,
+        labels,
+        predecessors,
+        valid,
+        gamma=2.0,
+        gold_injection=gold,
+        stop_gradient=stop,
+        chunk_blocks=chunk,
+    )
+    params = [selector.hidden_projection.weight, selector.predecessor_codebook, selector.successor_codebook]
+    got = torch.autograd.grad(out.loss, [hidden, *params], allow_unused=True)
+    expected_loss = reference_selector_loss(
+        hidden, head, selector, labels, predecessors, valid, gamma=2.0, gold=gold, stop=stop
+    )
+    expected = torch.autograd.grad(expected_loss, [hidden, *params], allow_unused=True)
+    torch.testing.assert_close(out.loss, expected_loss)
+    for name, a, b in zip(["hidden", "projection", "predecessor", "successor"], got, expected, strict=True):
+        if b is None:  # stop_gradient: nothing reaches the hidden states
+            assert a is None or torch.count_nonzero(a) == 0, name
+        else:
+            torch.testing.assert_close(a, b, msg=name)
+
+
+def test_selector_prefix_metric_is_the_accepted_length_of_the_walk():
+    """With the walk's own inputs, the teacher-forced leading run of correct choices is exactly how many of the
+    walk's drafts match the labels (the verifier's tokens)."""
+    torch.manual_seed(1)
+    rows, blocks, block, width, vocab = 1, 40, 5, 12, 12
+    selector = CandidateSelector(width, vocab, rank=6, top_k=4).double()
+    with torch.no_grad():
+        for parameter in selector.parameters():
+            parameter.normal_(std=0.7)
+    head = torch.randn(vocab, width, dtype=torch.float64)
+    hidden = torch.randn(rows, blocks, block, width, dtype=torch.float64)
+    anchors = torch.randint(0, vocab, (rows, blocks))
+    flat_hidden = hidden[0, :, 1:]
+    drafts = selector.walk(flat_hidden, flat_hidden @ head.T, anchors[0])  # [N, B-1]
+    # Labels agree with the drafts for a random number of leading slots, then differ.
+    agree = torch.randint(0, block, (blocks,))
+    slot = torch.arange(block - 1)
+    labels_tail = torch.where(slot < agree[:, None], drafts, (drafts + 1) % vocab)
+    labels = torch.cat([anchors[0, :, None], labels_tail], dim=1)[None]
+    predecessors = torch.cat([anchors[0, :, None], labels[0, :, :-1]], dim=1)[None]
+    valid = torch.ones(rows, blocks, block, dtype=torch.bool)
+    valid[..., 0] = False
+    out = selector_loss(hidden, head, selector, labels, predecessors, valid, gamma=None)
+    accepted = (labels_tail == drafts).long().cumprod(dim=1).sum(dim=1)
+    assert torch.equal(accepted, agree.clamp(max=block - 1))
+    assert out.metrics.prefix_sum.item() == accepted.sum().item()
+    assert out.metrics.prefix_acceptance().item() == pytest.approx(1 + accepted.double().mean().item())
+
+
+def test_selector_weight_schedule():
+    at = [selector_weight_at(s, 100, weight=2.0, warmup_ratio=0.1, ramp_ratio=0.1) for s in range(100)]
+    assert at[:10] == [0.0] * 10
+    assert 0 < at[10] < at[15] < at[19] < 2.0
+    assert at[20:] == [2.0] * 80
+    assert selector_weight_at(0, 100, weight=1.0, warmup_ratio=0.0, ramp_ratio=0.0) == 1.0
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Export and import
+
+
+def trained_looking_drafter(config: DFlash2ModelConfig | None = None) -> DFlash2Drafter:
+    torch.manual_seed(3)
+    return randomise(DFlash2Drafter(config or dflash2_config(block_size=5)).eval(), everything=True)
+
+
+def test_export_has_the_zlab_dflash2_layout(tmp_path):
+    drafter = trained_looking_drafter()
+    config = drafter.config
+    export_drafter(drafter, tmp_path / "out")
+    data = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert data["architectures"] == ["DFlash2DraftModel"]
+    draft = data["dflash_config"]
+    assert {key: draft[key] for key in DFLASH2_SIZES} == DFLASH2_SIZES
+    assert draft["block_size"] == data["block_size"] == 5
+    weights = load_file(str(tmp_path / "out" / "model.safetensors"))
+    hidden, vocab, groups = config.hidden_size, config.vocab_size, config.hidden_size // config.conv_group_size
+    for i in range(config.num_hidden_layers):
+        for conv in ("attention_conv", "mlp_conv"):
+            assert weights[f"layers.{i}.{conv}.base_kernel"].shape == (2, 2, hidden)
+            assert weights[f"layers.{i}.{conv}.kernel_projection.weight"].shape == (2 * 2 * groups, hidden)
+    assert weights["candidate_selector.hidden_projection.weight"].shape == (8, hidden)
+    assert weights["candidate_selector.predecessor_codebook"].shape == (vocab, 8)
+    assert weights["candidate_selector.successor_codebook"].shape == (vocab, 8)
+    assert all(t.dtype == torch.bfloat16 for t in weights.values())
+
+
+def test_export_runs_in_an_independent_implementation_of_the_engines_forward(tmp_path):
+    """Our float32 export, read by tests/dflash2_reference.py, drafts the same block as our drafter."""
+    drafter = trained_looking_drafter()
+    config = drafter.config
+    export_drafter(drafter, tmp_path / "out", dtype=torch.float32)
+    reference = ReferenceDFlash2(tmp_path / "out")
+    gen = torch.Generator().manual_seed(9)
+    embed = torch.randn(config.vocab_size, config.hidden_size, generator=gen)
+    # Logits about as large as the selector's transition scores, so the walk departs from the argmax.
+    head = torch.randn(config.vocab_size, config.hidden_size, generator=gen) * 0.1
+    departed = 0
+    for context, last in ((6, 17), (11, 3), (3, 40)):
+        features = torch.randn(context, config.num_features * config.hidden_size, generator=gen)
+        block = torch.tensor([[last] + [config.mask_token_id] * (config.block_size - 1)])
+        with torch.no_grad():
+            hidden = drafter(
+                features=features[None],
+                block_embeds=embed[block],
+                ctx_positions=torch.arange(context)[None],
+                block_positions=torch.arange(context, context + config.block_size)[None],
+                masks=None,
+            )[0]
+            drafts = drafter.draft_tokens(hidden[None, 1:], (hidden[1:] @ head.T)[None], torch.tensor([last]))
+        expected_hidden, expected_drafts = reference.propose(features, last, embed, head)
+        torch.testing.assert_close(hidden, expected_hidden, rtol=1e-4, atol=1e-4)
+        assert drafts[0].tolist() == expected_drafts
+        departed += int(drafts[0].tolist() != (hidden[1:] @ head.T).argmax(-1).tolist())
+    assert departed > 0
+
+
+def test_import_rebuilds_the_dflash2_drafter(tmp_path):
+    drafter = trained_looking_drafter()
+    export_drafter(drafter, tmp_path / "out", dtype=torch.float32)
+    loaded = import_drafter(tmp_path / "out")
+    assert isinstance(loaded, DFlash2Drafter)
+    assert loaded.config == drafter.config
+    for name, tensor in drafter.state_dict().items():
+        torch.testing.assert_close(loaded.state_dict()[name], tensor, rtol=0, atol=0, msg=name)
+
+
+def test_training_checkpoint_config_round_trips_the_algorithm(tmp_path):
+    config = dflash2_config()
+    save_drafter_config(config, tmp_path / "drafter_config.json")
+    loaded = load_drafter_config(tmp_path / "drafter_config.json")
+    assert isinstance(loaded, DFlash2ModelConfig) and loaded == config
+    assert isinstance(build_drafter(loaded), DFlash2Drafter)
+    assert type(build_drafter(tiny_drafter_config())) is DFlashDrafter
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        (lambda draft: draft.pop("selector_top_k"), "selector_top_k: missing"),
+        (lambda draft: draft.update(output_multiplier=0.5), "output_multiplier"),
+        (lambda draft: draft.update(final_logit_softcapping=20.0), "final_logit_softcapping"),
+        (lambda draft: draft.update(conv_group_size=7), "conv_group_size 7 must divide"),
+    ],
+)
+def test_import_refuses_dflash2_configs_it_cannot_run(tmp_path, change, message):
+    export_drafter(trained_looking_drafter(), tmp_path / "out")
+    path = tmp_path / "out" / "config.json"
+    data = json.loads(path.read_text())
+    change(data["dflash_config"])
+    path.write_text(json.dumps(data))
+    with pytest.raises(CheckpointFormatError, match=message):
+        import_drafter(tmp_path / "out")
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Recipe keys
+
+
+def test_recipe_keys_select_and_size_dflash2():
+    config = load_config(
+        None,
+        [
+            "drafter.algorithm=dflash2",
+            "drafter.block_size=8",
+            "drafter.dflash2.selector_top_k=8",
+            "loss.selector.gold_injection=true",
+            "loss.selector.ramp_ratio=0.1",
+        ],
+    )
+    assert config.drafter.algorithm == "dflash2"
+    assert config.drafter.dflash2.selector_top_k == 8 and config.drafter.dflash2.conv_kernel_size == 2
+    assert config.loss.selector.gold_injection and config.loss.selector.ramp_ratio == 0.1
+
+
+@pytest.mark.parametrize(
+    ("overrides", "key"),
+    [
+        (["drafter.algorithm=dflash3"], "drafter.algorithm"),
+        (["drafter.dflash2.selector_top_k=0"], "drafter.dflash2.selector_top_k"),
+        (["drafter.block_size=2", "drafter.dflash2.conv_kernel_size=3"], "drafter.dflash2.conv_kernel_size"),
+        (["loss.selector.warmup_ratio=1.5"], "loss.selector.warmup_ratio"),
+        (["drafter.algorithm=dflash2", "placement.sharding=fsdp2"], "placement.sharding"),
+    ],
+)
+def test_bad_dflash2_keys_fail_at_load_naming_the_key(overrides, key):
+    with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+        load_config(None, overrides)
