@@ -120,31 +120,27 @@ class _Fp8Matmul(torch.autograd.Function):
         return out
 
     @staticmethod
-    def backward(ctx, grad_out: Tensor) -> tuple[Tensor | None, Tensor | None, None, None]:
-        need_rows, need_weight = ctx.needs_input_grad[:2]
+    def backward(ctx, grad_out: Tensor) -> tuple[Tensor, Tensor, None, None]:
+        # Both gradients always, whatever `ctx.needs_input_grad` says (autograd drops one nothing needs): on one H200
+        # with torch 2.11 the compiled FP8 step's backward took 62 ms where its GEMMs alone need over 45 ms at FP8
+        # peak, and the compiled GPU gradient test failed, as if the input gradients were skipped (2026-12-02,
+        # benchmarks/BENCHMARKS.md). The cost where nothing needs one: the context projection's input gradient.
         out_dtype = ctx.out_dtype
-        grad_rows = grad_weight = None
         with torch.autocast(grad_out.device.type, enabled=False):
             if ctx.rowwise:
                 rows, weight = ctx.saved_tensors
-                if need_rows:
-                    g_q, g_scale = quantize(grad_out, E4M3, rowwise=True)  # [M, N], per token
-                    wt_q, wt_scale = quantize(weight.t(), E4M3, rowwise=True)  # [K, N], per input feature
-                    grad_rows = scaled_matmul(g_q, g_scale, wt_q, wt_scale, out_dtype, fast_accum=True)  # [M, K]
-                if need_weight:
-                    gt_q, gt_scale = quantize(pad_rows(grad_out).t(), E4M3, rowwise=True)  # [N, M'], per output
-                    xt_q, xt_scale = quantize(pad_rows(rows).t(), E4M3, rowwise=True)  # [K, M'], per input
-                    grad_weight = scaled_matmul(gt_q, gt_scale, xt_q, xt_scale, out_dtype, fast_accum=True)  # [N, K]
+                g_q, g_scale = quantize(grad_out, E4M3, rowwise=True)  # [M, N], per token
+                wt_q, wt_scale = quantize(weight.t(), E4M3, rowwise=True)  # [K, N], per input feature
+                grad_rows = scaled_matmul(g_q, g_scale, wt_q, wt_scale, out_dtype, fast_accum=True)  # [M, K]
+                gt_q, gt_scale = quantize(pad_rows(grad_out).t(), E4M3, rowwise=True)  # [N, M'], per output
+                xt_q, xt_scale = quantize(pad_rows(rows).t(), E4M3, rowwise=True)  # [K, M'], per input
+                grad_weight = scaled_matmul(gt_q, gt_scale, xt_q, xt_scale, out_dtype, fast_accum=True)  # [N, K]
             else:
                 x_q, x_scale, w_q, w_scale = ctx.saved_tensors
                 g_q, g_scale = quantize(grad_out, E5M2, rowwise=False)  # [M, N]
-                if need_rows:
-                    grad_rows = scaled_matmul(g_q, g_scale, transposed(w_q), w_scale, out_dtype)  # [M, K]
-                if need_weight:
-                    grad_weight = scaled_matmul(transposed(g_q), g_scale, transposed(x_q), x_scale, out_dtype)  # [N, K]
-        grad_rows = None if grad_rows is None else grad_rows.to(ctx.rows_dtype)
-        grad_weight = None if grad_weight is None else grad_weight.to(ctx.weight_dtype)
-        return grad_rows, grad_weight, None, None
+                grad_rows = scaled_matmul(g_q, g_scale, transposed(w_q), w_scale, out_dtype)  # [M, K]
+                grad_weight = scaled_matmul(transposed(g_q), g_scale, transposed(x_q), x_scale, out_dtype)  # [N, K]
+        return grad_rows.to(ctx.rows_dtype), grad_weight.to(ctx.weight_dtype), None, None
 
 
 def fp8_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, *, rowwise: bool = False) -> Tensor:
