@@ -402,3 +402,17 @@ def test_recipe_keys_select_and_size_dflash2():
 def test_bad_dflash2_keys_fail_at_load_naming_the_key(overrides, key):
     with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
         load_config(None, overrides)
+
+
+def test_weight_decay_skips_the_convolution_kernels():
+    """AdamW decays matrices only: DFlash2's [2, taps, H] base kernels start as the identity and stay undecayed."""
+    from dflash_trainer.config import OptimConfig
+    from dflash_trainer.train.optim import build_optimizer
+
+    drafter = build_drafter(dflash2_config())
+    optimizer = build_optimizer(drafter, OptimConfig(weight_decay=0.1))
+    decayed = {id(p) for group in optimizer.param_groups if group["weight_decay"] > 0 for p in group["params"]}
+    names = {id(p): name for name, p in drafter.named_parameters()}
+    kernels = [name for name in names.values() if name.endswith("base_kernel")]
+    assert kernels and not any(id(p) in decayed for name, p in drafter.named_parameters() if name in kernels)
+    assert any(names[i].endswith("q_proj.weight") for i in decayed)

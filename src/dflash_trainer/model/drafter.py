@@ -13,7 +13,7 @@ submodules: the caller embeds the block tokens and applies the head (they stay f
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -73,30 +73,12 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return x * cos.unsqueeze(1) + rotate_half(x) * sin.unsqueeze(1)
 
 
-@dataclass
-class ContextCache:
-    """Per-layer keys/values of the context seen so far (inference): context K/V do not depend on the block, so
-    each step only projects the newly accepted tokens' features."""
+class ContextCache(Protocol):
+    """Where inference keeps the context's keys and values per layer (the decoding engine's
+    `decoding/drafter_step.StaticDrafterContext`): context K/V do not depend on the block, so each step projects only
+    the newly accepted tokens' features and `append` returns everything the layer attends to."""
 
-    keys: list[Tensor] = field(default_factory=list)  # per layer [R, Hkv, Tc, D]
-    values: list[Tensor] = field(default_factory=list)
-
-    @property
-    def length(self) -> int:
-        return self.keys[0].shape[2] if self.keys else 0
-
-    def append(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
-        if layer == len(self.keys):
-            self.keys.append(k)
-            self.values.append(v)
-        else:
-            self.keys[layer] = torch.cat([self.keys[layer], k], dim=2)
-            self.values[layer] = torch.cat([self.values[layer], v], dim=2)
-        return self.keys[layer], self.values[layer]
-
-    def crop(self, length: int) -> None:
-        self.keys = [k[:, :, :length] for k in self.keys]
-        self.values = [v[:, :, :length] for v in self.values]
+    def append(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]: ...
 
 
 class DrafterAttention(nn.Module):

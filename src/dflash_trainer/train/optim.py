@@ -11,12 +11,13 @@ from ..config import OptimConfig
 
 
 def build_optimizer(model: nn.Module, config: OptimConfig, *, fused: bool = False) -> torch.optim.AdamW:
-    """Weight decay on matrices only: norms (1-D weights) and biases are not decayed, as in most LLM recipes."""
+    """Weight decay on matrices only: norms (1-D weights) and biases are not decayed, as in most LLM recipes; nor are
+    DFlash2's convolution kernels ([2, taps, H], identity at the start: decay would pull them off it)."""
     decay, no_decay = [], []
     for parameter in model.parameters():
         if not parameter.requires_grad:
             continue
-        (decay if parameter.ndim >= 2 else no_decay).append(parameter)
+        (decay if parameter.ndim == 2 else no_decay).append(parameter)
     groups = [
         {"params": decay, "weight_decay": config.weight_decay},
         {"params": no_decay, "weight_decay": 0.0},
