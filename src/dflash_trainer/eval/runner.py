@@ -466,7 +466,7 @@ def format_table(report: EvalReport) -> str:
     for data in report.datasets:
         for speed in data.throughput[1:]:  # the smaller batches timed (batch 1: one request at a time)
             lines.append(
-                f"{data.name[:15]:<16}{'':>8}{'':>8}{'':>7}{'':>8}{speed.batch_rows:>6}"
+                f"{data.name:<{width}}{'':>8}{'':>8}{'':>7}{'':>8}{speed.batch_rows:>6}"
                 f"{speed.baseline_tokens_per_s:>12.1f}{speed.speculative_tokens_per_s:>12.1f}{speed.speedup:>8.2f}x"
                 + ("  CUDA graphs" if speed.cuda_graphs else "")
             )
