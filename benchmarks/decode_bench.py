@@ -32,13 +32,13 @@ from pathlib import Path
 import torch
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-from dflash_trainer.bench import SMOLLM2_135M
 from dflash_trainer.data.prompts import Prompt, load_prompt_set
 from dflash_trainer.decoding.plain import target_generate_batch
 from dflash_trainer.eval.runner import LosslessError, evaluate, first_difference, prompt_token_ids
 from dflash_trainer.export import cast_keeping_rope_fp32
 from dflash_trainer.model.config import DrafterModelConfig
 from dflash_trainer.model.drafter import DFlashDrafter
+from dflash_trainer.shapes import SMOLLM2_135M
 from dflash_trainer.targets.loader import LoadedTarget, builtin_gguf_path, cache_root, load_target
 from dflash_trainer.targets.regenerate import regenerate
 

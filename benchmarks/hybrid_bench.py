@@ -71,34 +71,9 @@ import tempfile
 import time
 from pathlib import Path
 
+from dflash_trainer.shapes import QWEN36_27B  # plain data: loads neither torch nor transformers
+
 REPO = Path(__file__).resolve().parents[1]
-LINEAR, FULL = "linear_attention", "full_attention"
-QWEN36_27B = dict(
-    model_type="qwen3_5_text",
-    vocab_size=248320,
-    hidden_size=5120,
-    intermediate_size=17408,
-    num_hidden_layers=64,
-    layer_types=[LINEAR, LINEAR, LINEAR, FULL] * 16,
-    num_attention_heads=24,
-    num_key_value_heads=4,
-    head_dim=256,
-    linear_num_key_heads=16,
-    linear_num_value_heads=48,
-    linear_key_head_dim=128,
-    linear_value_head_dim=128,
-    linear_conv_kernel_dim=4,
-    max_position_embeddings=262144,
-    rms_norm_eps=1e-6,
-    rope_parameters={
-        "rope_type": "default",
-        "rope_theta": 10_000_000,
-        "partial_rotary_factor": 0.25,
-        "mrope_section": [11, 11, 10],
-        "mrope_interleaved": True,
-    },
-    tie_word_embeddings=False,
-)
 TAPS = [1, 16, 31, 46, 61]
 QWEN36_27B_TRUNCATED = {**QWEN36_27B, "num_hidden_layers": 63, "layer_types": QWEN36_27B["layer_types"][:63]}
 # Recipe overrides of the paper setting for this target: data labels (no LM head, early exit), its taps, and a mask

@@ -35,7 +35,8 @@ from pathlib import Path
 import torch
 from transformers import Qwen3ForCausalLM
 
-from dflash_trainer.bench import QWEN3_8B, random_target
+from dflash_trainer.bench import random_target
+from dflash_trainer.shapes import QWEN3_8B
 from dflash_trainer.targets.attention import varlen_supported
 from dflash_trainer.targets.capture import FeatureCapture
 from dflash_trainer.targets.documents import DocumentLayout
