@@ -15,14 +15,12 @@ import torch
 from safetensors.torch import load_file
 
 from dflash_trainer.config import load_config
-from dflash_trainer.data.shards import ShardWriter
 from dflash_trainer.export import import_drafter
 from dflash_trainer.model.dflash2 import DFlash2Drafter
-from dflash_trainer.model.drafter import DFlashDrafter
-from dflash_trainer.targets.capture import FeatureCapture, embedding_module, lm_head_module
 from dflash_trainer.train import checkpoint as ckpt
 from dflash_trainer.train.trainer import Trainer
-from train_helpers import VOCAB, save_tiny_target, write_counting_shards, write_recipe
+from progression_task import BLOCK, held_out_documents, held_out_tau, write_progression_shards
+from train_helpers import save_tiny_target, write_counting_shards, write_recipe
 
 # Sizes for the tiny target (hidden 64): 4 groups of 16 channels, a rank-16 selector over 8 candidates.
 DFLASH2 = {"algorithm": "dflash2", "dflash2": {"conv_group_size": 16, "selector_rank": 16, "selector_top_k": 8}}
@@ -95,55 +93,12 @@ def test_two_ddp_ranks_train_the_selector_as_one_rank_with_double_accumulation(t
 # ----------------------------------------------------------------------------------------------------------
 # Synthetic target: DFlash2 against DFlash on a continuation fixed by its context
 
-PERIOD, BASE, STEPS, BLOCK, PROMPT = 17, 10, (1, 2, 3), 4, 2
-
-
-def progression(gen: torch.Generator) -> list[int]:
-    """BASE + (start + i * step) % PERIOD: the step is only visible in the context (as in test_train_learning)."""
-    length = int(torch.randint(12, 40, (1,), generator=gen))
-    start = int(torch.randint(0, PERIOD, (1,), generator=gen))
-    step = STEPS[int(torch.randint(0, len(STEPS), (1,), generator=gen))]
-    return [BASE + (start + i * step) % PERIOD for i in range(length)]
-
-
-@torch.no_grad()
-def held_out_tau(drafter: DFlashDrafter, target_model, docs: list[list[int]]) -> float:
-    """Pooled tau with the data as the verifier, drafting as at inference (`draft_tokens`: DFlash2's walk)."""
-    drafter.eval()
-    capture = FeatureCapture(target_model, drafter.config.target_layer_ids)
-    embed, head = embedding_module(target_model), lm_head_module(target_model)
-    committed = []
-    for doc in docs:
-        ids = torch.tensor([doc])
-        features = capture.capture(ids).features
-        for anchor in range(PROMPT, len(doc) - 1):
-            block = torch.full((1, BLOCK), drafter.config.mask_token_id)
-            block[0, 0] = ids[0, anchor]
-            hidden = drafter(
-                features=features[:, :anchor],
-                block_embeds=embed(block),
-                ctx_positions=torch.arange(anchor)[None],
-                block_positions=torch.arange(anchor, anchor + BLOCK)[None],
-                masks=None,
-            )
-            drafts = drafter.draft_tokens(hidden[:, 1:], head(hidden[:, 1:]), ids[:, anchor])[0].tolist()
-            slots = min(BLOCK - 1, len(doc) - 1 - anchor)
-            accepted = 0
-            while accepted < slots and drafts[accepted] == doc[anchor + 1 + accepted]:
-                accepted += 1
-            committed.append(1 + accepted)
-    return sum(committed) / len(committed)
-
 
 @pytest.mark.slow
 def test_dflash2_reaches_at_least_dflash_tau_on_a_context_determined_target(tmp_path, one_thread):
-    gen = torch.Generator().manual_seed(0)
-    with ShardWriter(tmp_path / "shards", tokenizer_name="tiny", vocab_size=VOCAB, samples_per_shard=64) as writer:
-        for i in range(200):
-            doc = progression(gen)
-            writer.add(f"prog-{i}", doc, [0] * PROMPT + [1] * (len(doc) - PROMPT))
+    write_progression_shards(tmp_path / "shards")
     target = save_tiny_target(tmp_path / "target")
-    held_out = [progression(torch.Generator().manual_seed(1000 + i)) for i in range(16)]
+    held_out = held_out_documents()
     taus = {}
     for name, drafter in (("dflash", {}), ("dflash2", DFLASH2)):
         recipe = write_recipe(
@@ -159,6 +114,6 @@ def test_dflash2_reaches_at_least_dflash_tau_on_a_context_determined_target(tmp_
         )
         trainer = Trainer(load_config(recipe), log=lambda _: None)
         trainer.fit()
-        taus[name] = held_out_tau(trainer.drafter, trainer.target.model, held_out)
+        taus[name], _ = held_out_tau(trainer.drafter, trainer.target.model, held_out)
     assert taus["dflash"] > 3.0, taus  # the task is learnt at all
     assert taus["dflash2"] >= taus["dflash"] - 0.02, taus  # 0.02: about one anchor of the ~450 held out
