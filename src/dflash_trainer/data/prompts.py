@@ -328,8 +328,9 @@ def load_mixture(
     if name in _WEIGHTS:
         prompts = mixture.emphasise(prompts, _WEIGHTS[name], seed=f"{spec.seed}:{name}")
     if name in _SHARED:
-        category_of = lambda prompt: categories.category_of(prompt.id)  # noqa: E731
-        prompts = mixture.stratify(prompts, category_of, category_shares or _SHARED[name])
+        prompts = mixture.stratify(
+            prompts, lambda prompt: categories.category_of(prompt.id), category_shares or _SHARED[name]
+        )
     return (list(prompts) if size is None else prompts[:size]), summary
 
 

@@ -205,11 +205,14 @@ def fla_available() -> bool:
     if importlib.util.find_spec("fla") is None:
         return False
     try:
-        from fla.modules.convolution import causal_conv1d, causal_conv1d_update  # noqa: F401
-        from fla.modules.fused_norm_gate import rms_norm_gated  # noqa: F401
-        from fla.modules.layernorm import rms_norm  # noqa: F401
+        convolution = importlib.import_module("fla.modules.convolution")
+        gated_norm = importlib.import_module("fla.modules.fused_norm_gate")
+        norm = importlib.import_module("fla.modules.layernorm")
         from fla.ops.gated_delta_rule.fused_recurrent import fused_recurrent_gated_delta_rule_fwd_kernel as kernel
     except ImportError:
+        return False
+    needed = (convolution, "causal_conv1d"), (convolution, "causal_conv1d_update"), (gated_norm, "rms_norm_gated")
+    if not all(hasattr(module, name) for module, name in (*needed, (norm, "rms_norm"))):
         return False
     return set(getattr(kernel, "arg_names", ())) >= _RECURRENT_KERNEL_ARGS
 
