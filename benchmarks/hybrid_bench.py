@@ -69,6 +69,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import traceback
 from pathlib import Path
 
 from dflash_trainer.shapes import QWEN36_27B  # plain data: loads neither torch nor transformers
@@ -323,6 +324,7 @@ def decode_phase(target, *, rows: list[int], new_tokens: int) -> dict:
         try:
             entry, line = decode_rows(target, runner, variants, prompts[:count], new_tokens=new_tokens)
         except Exception as error:  # out of memory at the largest row count, say: the others are still reported
+            traceback.print_exc()
             entry, line = {"error": f"{type(error).__name__}: {error}"}, f"{count} rows: ERROR {type(error).__name__}"
         result["by_rows"][count] = entry
         print(f"decode: {line}", flush=True)
@@ -332,35 +334,64 @@ def decode_phase(target, *, rows: list[int], new_tokens: int) -> dict:
 
 
 def decode_rows(target, runner, variants: dict, prompts: list[list[int]], *, new_tokens: int) -> tuple[dict, str]:
-    """The decode phase at one row count (`len(prompts)` rows): its JSON entry and its summary line."""
+    """The decode phase at one row count (`len(prompts)` rows): its JSON entry and its summary line. The engine's own
+    variant (graphs) runs first and must succeed; every other measurement that fails (out of memory at the largest
+    row count, say) is recorded as its error and the rest still run."""
     count = len(prompts)
-    entry = {
-        name: plain_steps(variant, prompts, new_tokens=new_tokens, use_graphs=True)
-        for name, variant in variants.items()
-    }
-    entry["eager"] = plain_steps(runner, prompts, new_tokens=new_tokens, use_graphs=False)
-    entry["profile"] = profile_decode_step(runner, count)
-    entry["state_update"] = state_update_bandwidth(runner, count)
+    entry = {"graphs": plain_steps(runner, prompts, new_tokens=new_tokens, use_graphs=True)}
+    others = {name: variant for name, variant in variants.items() if name != "graphs"}
+    for name, variant in others.items():
+        entry[name] = attempt(plain_steps, variant, prompts, new_tokens=new_tokens, use_graphs=True)
+    entry["eager"] = attempt(plain_steps, runner, prompts, new_tokens=new_tokens, use_graphs=False)
+    entry["profile"] = attempt(profile_decode_step, runner, count)
+    entry["state_update"] = attempt(state_update_bandwidth, runner, count)
     if count <= SPECULATIVE_ROWS:
-        entry["speculative"] = speculative_check(target, prompts, entry["graphs"]["outputs"])
+        entry["speculative"] = attempt(speculative_check, target, prompts, entry["graphs"]["outputs"])
     reference = entry["graphs"]["outputs"]
     for name in (*variants, "eager"):  # rows whose output equals the engine's with graphs (bf16: near-ties part)
-        outputs = entry[name].pop("outputs")
-        entry[name]["rows_equal_to_graphs"] = sum(a == b for a, b in zip(outputs, reference, strict=True))
-    graphs, eager, profile = entry["graphs"], entry["eager"], entry["profile"]
-    others = ", ".join(
-        f"{entry[name]['ms_per_step']:.1f} ms/step {name.removeprefix('graphs, ')}" for name in list(variants)[1:]
-    )
+        if "outputs" in entry[name]:
+            outputs = entry[name].pop("outputs")
+            entry[name]["rows_equal_to_graphs"] = sum(a == b for a, b in zip(outputs, reference, strict=True))
+    graphs, profile = entry["graphs"], entry["profile"]
+    timings = ", ".join(f"{ms_or_error(entry[name])} {name.removeprefix('graphs, ')}" for name in (*others, "eager"))
     line = (
-        f"{count} rows: {graphs['ms_per_step']:.1f} ms/step = {graphs['tokens_per_s']:,.0f} tok/s with CUDA graphs"
-        f" ({others}; eager {eager['ms_per_step']:.1f}); an eager step's kernels busy {profile['busy_ms']:.1f} ms"
-        f" in {profile['kernel_launches']:.0f} kernels ("
-        + ", ".join(f"{name} {ms:.1f}" for name, ms in profile["classes_ms"].items())
-        + f"); state update {entry['state_update']['summary']}"
+        f"{count} rows: {graphs['ms_per_step']:.1f} ms/step = {graphs['tokens_per_s']:,.0f} tok/s with CUDA graphs,"
+        f" peak {graphs['peak_gib']:.1f} GiB ({timings})"
     )
+    if "error" in profile:
+        line += f"; profile {profile['error']}"
+    else:
+        line += (
+            f"; an eager step's kernels busy {profile['busy_ms']:.1f} ms in {profile['kernel_launches']:.0f} kernels ("
+            + ", ".join(f"{name} {ms:.1f}" for name, ms in profile["classes_ms"].items())
+            + ")"
+        )
+    line += f"; state update {summary_or_error(entry['state_update'])}"
     if "speculative" in entry:
-        line += f"; {entry['speculative']['summary']}"
+        line += f"; {summary_or_error(entry['speculative'])}"
     return entry, line
+
+
+def attempt(measure, *args, **kwargs) -> dict:
+    """`measure(*args, **kwargs)`, or {"error": ...} when it raises (its memory released first)."""
+    import gc
+
+    import torch
+
+    try:
+        return measure(*args, **kwargs)
+    except Exception as error:  # recorded in the results; the remaining measurements still run
+        gc.collect()
+        torch.cuda.empty_cache()
+        return {"error": f"{type(error).__name__}: {str(error)[:200]}"}
+
+
+def summary_or_error(measurement: dict) -> str:
+    return measurement.get("error") or measurement.get("summary", "")
+
+
+def ms_or_error(measurement: dict) -> str:
+    return f"{measurement['ms_per_step']:.1f} ms/step" if "error" not in measurement else measurement["error"][:40]
 
 
 # Prompt length of the decode phase (the 2026-12-02 measurement: 25.5 ms per step at 8 rows, 512-token prompts),
@@ -393,9 +424,14 @@ def plain_steps(runner, prompts: list[list[int]], *, new_tokens: int, use_graphs
         use_graphs=use_graphs,
         refill_min=len(prompts),
     )
+    import torch
+
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
     queue = RequestQueue([Request(index, prompt) for index, prompt in enumerate(prompts)])
     outputs = {completion.key: completion.tokens for completion in decoder.generate(queue)}
     stats = decoder.stats
+    peak_gib = torch.cuda.max_memory_allocated() / 2**30
     timed = stats.steps - decoder.graphs.captured
     ms = 1e3 * stats.decode_s / timed
     return {
@@ -406,6 +442,7 @@ def plain_steps(runner, prompts: list[list[int]], *, new_tokens: int, use_graphs
         "graphs_captured": decoder.graphs.captured,
         "capture_s": stats.capture_s,
         "prefill_s": stats.prefill_s,
+        "peak_gib": peak_gib,
         "outputs": [outputs[index] for index in range(len(prompts))],
     }
 

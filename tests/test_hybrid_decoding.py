@@ -682,3 +682,21 @@ def test_engine_with_flash_linear_attention_calling_convention(tmp_path: Path):
     env = {**os.environ, "PYTHONPATH": path, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
     done = subprocess.run([sys.executable, "-c", FLA_CHECK], env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stdout + done.stderr
+
+
+def test_a_dropped_decoders_recurrent_states_are_freed_at_once():
+    """The recurrent states (tens of GB on a large hybrid at hundreds of rows) go with their cache as soon as the
+    decoder is dropped, without waiting for the garbage collector: nothing closes a reference cycle around them."""
+    import gc
+    import weakref
+
+    runner = TargetRunner(hybrid_target())
+    decoder = BatchDecoder(runner, rows=2, max_new_tokens=3, stop_token_ids=[], max_len=16, refill_min=2)
+    list(decoder.generate(RequestQueue([Request(index, [1, 2, 3 + index]) for index in range(2)])))
+    states = weakref.ref(decoder.cache.recurrent)
+    gc.disable()
+    try:
+        del decoder
+        assert states() is None
+    finally:
+        gc.enable()

@@ -58,6 +58,7 @@ decoding), `verify` (every row; states kept until `commit`).
 from __future__ import annotations
 
 import sys
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -110,14 +111,17 @@ class LinearLayerState:
     """What a Gated DeltaNet layer reads as `cache_params.layers[layer]`."""
 
     def __init__(self, owner: RecurrentStates, conv: Tensor, recurrent: Tensor) -> None:
-        self._owner = owner
+        # A weak reference: a strong one closes a cycle (states -> layer state -> states) that only the garbage
+        # collector frees, so a dropped cache's states (38.6 GB at 256 rows of the Qwen3.6-27B shape) would stay
+        # on the GPU until some later collection.
+        self._owner = weakref.ref(owner)
         self.conv_states = [conv]  # [0]: [rows, conv_dim, kernel]
         self.recurrent_states = [recurrent]  # [0]: [rows, Hv, Dk, Dv]
 
     @property
     def record_past(self) -> bool:
         """True sends even a one-token forward through `update_conv_state` (verify mode needs the window)."""
-        return self._owner.mode is Mode.VERIFY
+        return self._owner().mode is Mode.VERIFY
 
 
 @dataclass(frozen=True)
