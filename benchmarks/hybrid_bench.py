@@ -52,7 +52,12 @@ Phases (each child):
   common prefix) says whether the two tokens are a near-tie (both logits within 4 bf16 rounding steps of the top
   one; their gap to the top logit is reported) or not. Parting within the first few tokens on every row (token 2 is
   the first a rollback touches) with no near-ties points at the recurrent-state rollback; parting late at near-ties
-  is rounding drift. The decode phase alone at the three row counts (about 4 minutes after the target is built):
+  is rounding drift. Measurements other than the engine's own with graphs that fail (out of memory) are recorded as
+  errors and the rest still run;
+- `decode_fp8`: after the target's decoder linears are quantised to FP8 in place (`target.fp8`, `targets/fp8.py`),
+  plain decoding with CUDA graphs at each row count: half the weight bytes per step, twice the GEMM rate. Last,
+  since it changes the target. The decode phase alone at the three row counts (about 4 minutes after the target is
+  built):
 
       PYTHONPATH=src python3 benchmarks/hybrid_bench.py --wheels .fla --kernels fla --phases decode \\
           --rows 8,64,256 --child-timeout 900
@@ -207,6 +212,8 @@ def run_child(
         ),
         # 4k + 1 new tokens: 4k steps after the prefill, whole intervals of 4 steps between host syncs.
         ("decode", lambda: decode_phase(target, rows=rows, new_tokens=49 if fast else 25)),
+        # Last: it quantises the target in place.
+        ("decode_fp8", lambda: decode_fp8_phase(target, rows=rows, new_tokens=49 if fast else 25)),
     ]
     phases = [(name, phase) for name, phase in phases if name in only]
     for name, phase in phases:
@@ -306,8 +313,8 @@ def decode_phase(target, *, rows: list[int], new_tokens: int) -> dict:
     from dflash_trainer.decoding.hybrid_kernels import TRANSFORMERS
     from dflash_trainer.decoding.target import TargetRunner
 
-    generator = torch.Generator().manual_seed(1)
-    prompts = [torch.randint(0, PROMPT_VOCAB, (PROMPT_TOKENS,), generator=generator).tolist() for _ in range(max(rows))]
+    generator = torch_generator(1)
+    prompts = [random_prompt(generator) for _ in range(max(rows))]
     runner = TargetRunner(target.model)  # the engine's choice: fla's kernels where fla is importable
     variants = {"graphs": runner}
     if runner.hybrid_kernels.rms_norm is not None:
@@ -331,6 +338,49 @@ def decode_phase(target, *, rows: list[int], new_tokens: int) -> dict:
         lines.append(line)
     result["summary"] = " | ".join(lines)
     return result
+
+
+def decode_fp8_phase(target, *, rows: list[int], new_tokens: int) -> dict:
+    """Plain decoding with CUDA graphs after the target's decoder linears are quantised to FP8 (`target.fp8`: e4m3
+    weights per output row, activations per token; `targets/fp8.py`), per row count: half the weight bytes each step
+    reads, twice the GEMM rate. Quantises `target` in place: run it after every bf16 phase."""
+    from dflash_trainer.decoding.target import TargetRunner
+    from dflash_trainer.targets.capture import decoder_module
+    from dflash_trainer.targets.fp8 import quantize_decoder_linears
+
+    quantized = quantize_decoder_linears(decoder_module(target.model).layers)
+    runner = TargetRunner(target.model)
+    generator = torch_generator(1)
+    prompts = [random_prompt(generator) for _ in range(max(rows))]
+    plain_steps(runner, prompts[:1], new_tokens=5, use_graphs=True)  # warm-up: compiles, autotunes, cuBLAS
+    result: dict = {"quantized_linears": quantized, "new_tokens": new_tokens, "by_rows": {}}
+    lines = []
+    for count in rows:
+        entry = attempt(plain_steps, runner, prompts[:count], new_tokens=new_tokens, use_graphs=True)
+        entry.pop("outputs", None)
+        result["by_rows"][count] = entry
+        line = f"{count} rows: " + (
+            f"{entry['ms_per_step']:.1f} ms/step = {entry['tokens_per_s']:,.0f} tok/s with CUDA graphs, FP8 target,"
+            f" peak {entry['peak_gib']:.1f} GiB"
+            if "error" not in entry
+            else f"ERROR {entry['error']}"
+        )
+        print(f"decode_fp8: {line}", flush=True)
+        lines.append(line)
+    result["summary"] = " | ".join(lines)
+    return result
+
+
+def torch_generator(seed: int):
+    import torch
+
+    return torch.Generator().manual_seed(seed)
+
+
+def random_prompt(generator) -> list[int]:
+    import torch
+
+    return torch.randint(0, PROMPT_VOCAB, (PROMPT_TOKENS,), generator=generator).tolist()
 
 
 def decode_rows(target, runner, variants: dict, prompts: list[list[int]], *, new_tokens: int) -> tuple[dict, str]:
@@ -599,7 +649,7 @@ def parting(model, index: int, prompt: list[int], plain: list[int], speculative:
     return {**row, "near_tie": True, "logit_gap": tie.logit_gap, "tolerance": tie.tolerance}
 
 
-PHASES = ("forward", "train", "decode")
+PHASES = ("forward", "train", "decode", "decode_fp8")
 
 
 def row_counts(text: str) -> list[int]:
