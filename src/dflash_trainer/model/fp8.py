@@ -47,9 +47,9 @@ e4m3 operands with their scales) and each scaling's backward (`dflash_fp8::tenso
 included. Dynamo, AOT autograd and Inductor see one call per op and run the eager code inside the compiled graph,
 so the compiled gradients are by construction the eager ones. Traced into the graph instead (as an
 `autograd.Function` whose quantisation and `torch._scaled_mm` calls Inductor compiled), the weight gradients came
-out zero on CUDA with torch 2.11. The cost: the quantisation no longer fuses with the neighbouring ops (the amax
-and the cast each read the operand once more than a fused epilogue would, and the transposes of the backward are
-copies of their own).
+out zero on CUDA with torch 2.11. The cost: the quantisation no longer fuses. Each of its steps (magnitude, amax,
+float32 division, clamp, cast, the backward's transposes) is a pass of its own over the operand, several in
+float32, where a fused kernel reads the operand twice and writes the FP8 copy once.
 """
 
 from __future__ import annotations
