@@ -14,6 +14,7 @@ import torch
 import torch.fx.experimental._config as fx_config
 from torch import nn
 from torch._dynamo.utils import counters
+from torch.library import opcheck
 
 from dflash_trainer.config import ConfigError, load_config
 from dflash_trainer.model.attention import build_masks
@@ -144,9 +145,8 @@ def test_fp8_linear_under_bf16_autocast_keeps_the_master_dtypes_and_the_bias():
 
 @pytest.mark.parametrize("scaling", ["tensorwise", "rowwise"])
 def test_several_fp8_linears_in_one_compiled_graph_compute_what_eager_does(scaling):
-    """Dynamo traces each FP8 matmul (an autograd Function) into the graph; a layer holds several. Token counts of
-    40 and 24 take the weight grad's padding path. (A module-level float read inside the Function once made the
-    second one in a graph fail to trace: `quantize` keeps its constants literal.)"""
+    """Each FP8 matmul is one opaque op call in the graph; a layer holds several. Token counts of 40 and 24 take the
+    weight grad's padding path."""
     from dflash_trainer.compiling import compile_dynamic
 
     def two_projections(x, ctx, w1, w2):
@@ -164,6 +164,95 @@ def test_several_fp8_linears_in_one_compiled_graph_compute_what_eager_does(scali
     torch._dynamo.reset()
     for eager, compiled in zip(*grads, strict=True):
         torch.testing.assert_close(compiled, eager, rtol=0, atol=0)
+
+
+def test_the_fp8_ops_pass_torch_opcheck():
+    """Schema (no input mutated), fake kernels (shapes, dtypes, strides) and the autograd registration, against the
+    real kernels. torch's harness sums and compares every tensor it meets, which the CPU cannot do for FP8 tensors:
+    the forward's mutation check and AOT autograd replay, and the tensorwise backward's mutation check (its inputs
+    are FP8), are left to the two tests below and a byte comparison here."""
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(48, 64, generator=gen).requires_grad_()
+    weight = (0.05 * torch.randn(32, 64, generator=gen)).requires_grad_()
+    grad_out = torch.randn(48, 32, generator=gen).bfloat16()
+    for rowwise in (False, True):
+        forward = (x, weight, rowwise, torch.bfloat16)
+        opcheck(torch.ops.dflash_fp8.matmul.default, forward, test_utils=("test_schema", *OPCHECK_TRACING))
+    _, x_q, x_scale, w_q, w_scale = torch.ops.dflash_fp8.matmul(x.detach(), weight.detach(), False, torch.bfloat16)
+    fp8_inputs = [t.view(torch.uint8).clone() for t in (x_q, w_q)]
+    tensorwise = (grad_out, x_q, x_scale, w_q, w_scale, torch.float32, torch.float32)
+    tracing_and_replay = (*OPCHECK_TRACING, "test_aot_dispatch_dynamic")
+    opcheck(torch.ops.dflash_fp8.tensorwise_backward.default, tensorwise, test_utils=tracing_and_replay)
+    assert all(torch.equal(t.view(torch.uint8), before) for t, before in zip((x_q, w_q), fp8_inputs, strict=True))
+    rowwise = (grad_out, x.detach(), weight.detach())
+    opcheck(torch.ops.dflash_fp8.rowwise_backward.default, rowwise)  # every check, AOT autograd replay included
+
+
+OPCHECK_TRACING = ("test_faketensor", "test_autograd_registration")
+
+
+def _stacked_linears(x, w1, w2, w3, rowwise: bool):
+    """Two FP8 linears in a row (SiLU between them) and a third reading the same input, as in a layer."""
+    hidden = fp8_linear(x, w1, rowwise=rowwise)
+    out = fp8_linear(torch.nn.functional.silu(hidden), w2, rowwise=rowwise)
+    return out.float().square().mean() + fp8_linear(x, w3, rowwise=rowwise).float().mean()
+
+
+def _stacked_grads(fn, scaling: str) -> list[list[torch.Tensor]]:
+    """The gradients of x, w1, w2, w3 under bf16 autocast for 40 tokens (the weight grad pads) and 64 (no padding,
+    a second shape the symbolic sizes serve)."""
+    gen = torch.Generator().manual_seed(6)
+    weights = [0.1 * torch.randn(*shape, generator=gen) for shape in ((96, 64), (48, 96), (32, 64))]
+    grads = []
+    for tokens in (40, 64):
+        x = torch.randn(2, tokens // 2, 64, generator=gen)
+        leaves = [t.clone().requires_grad_() for t in (x, *weights)]
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            fn(*leaves, scaling == "rowwise").backward()
+        grads.append([leaf.grad for leaf in leaves])
+    return grads
+
+
+@pytest.mark.parametrize("scaling", ["tensorwise", "rowwise"])
+def test_compiled_graphs_call_the_fp8_ops_and_compute_what_eager_does(scaling):
+    """AOT autograd's forward and backward graphs hold one call of the opaque ops per linear and no traced scaled
+    matmul: the compiled step runs the eager kernels (module docstring), so its gradients are bitwise the eager ones."""
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+
+    targets: list[list[str]] = []
+
+    def record(gm, example_inputs):
+        targets.append([str(node.target) for node in gm.graph.nodes if node.op == "call_function"])
+        return make_boxed_func(gm.forward)
+
+    torch._dynamo.reset()
+    compiled = torch.compile(
+        _stacked_linears, dynamic=True, backend=aot_autograd(fw_compiler=record, bw_compiler=record)
+    )
+    compiled_grads = _stacked_grads(compiled, scaling)
+    torch._dynamo.reset()
+    assert len(targets) == 2, targets  # one forward and one backward graph serve both shapes
+    forward, backward = targets
+    assert forward.count("dflash_fp8.matmul.default") == 3
+    assert backward.count(f"dflash_fp8.{scaling}_backward.default") == 3
+    assert not any("scaled_mm" in target for target in forward + backward)
+    for eager, actual in zip(_stacked_grads(_stacked_linears, scaling), compiled_grads, strict=True):
+        for expected, grad in zip(eager, actual, strict=True):
+            torch.testing.assert_close(grad, expected, rtol=0, atol=0)
+
+
+@pytest.mark.slow  # Inductor's C++ compile: ~20 s on 2 shared cores for both scalings
+@pytest.mark.parametrize("scaling", ["tensorwise", "rowwise"])
+def test_inductor_compiled_fp8_gradients_equal_the_eager_ones(scaling):
+    """As the layers compile for training (Inductor, symbolic sizes): every gradient within 1e-6 of eager's (the
+    FP8 GEMMs are the eager ones; Inductor's own kernels for SiLU and the loss may round differently)."""
+    torch._dynamo.reset()
+    compiled_grads = _stacked_grads(torch.compile(_stacked_linears, dynamic=True, backend="inductor"), scaling)
+    torch._dynamo.reset()
+    for eager, actual in zip(_stacked_grads(_stacked_linears, scaling), compiled_grads, strict=True):
+        for expected, grad in zip(eager, actual, strict=True):
+            assert grad.abs().sum() > 0 and _relative_error(grad, expected.double()) < 1e-6
 
 
 # --------------------------------------------------------------------------------------------- the drafter

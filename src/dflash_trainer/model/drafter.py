@@ -288,8 +288,8 @@ class DFlashDrafter(nn.Module):
         value on the training path, so they also share the compiled code: one frame, one graph for all of them
         (regional compilation), once the first layer's input requires grad as the others' do (forward). The two
         norms outside the layers are compiled too (one more frame: eager, the final one makes seven float32 passes
-        over every block position); an FP8 context projection compiles with its norm as one region instead, so
-        that the quantisation of the [R, T, K*H] features and of the weight fuses. `backend`: another dynamo
+        over every block position); an FP8 context projection compiles with its norm as one region instead (its
+        FP8 GEMMs run inside as opaque ops, `model/fp8.py`). `backend`: another dynamo
         backend, for tests ("eager" counts frames without Inductor)."""
         keep_sizes_apart()  # the first batch's coincident sizes must not become guards (compiling.py)
         self._one_layer_graph = True

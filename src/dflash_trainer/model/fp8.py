@@ -39,6 +39,17 @@ on the GPU): q/k/v/o and gate/up/down of every layer and the context projection 
 grad contracts over tokens, so the token count is padded to a multiple of 16 there (with zeros, which add nothing)
 when it is not one already; the data stage's buckets make it one on the GPU. In eval mode the layers compute
 exactly (`F.linear`): evaluation and export see the float32 weights, as a server will.
+
+Under torch.compile the FP8 GEMMs are opaque: the forward (`dflash_fp8::matmul`, which returns the output and the
+e4m3 operands with their scales) and each scaling's backward (`dflash_fp8::tensorwise_backward`,
+`dflash_fp8::rowwise_backward`, both gradients at once) are custom ops, tied together by
+`torch.library.register_autograd`; each has a fake that gives its outputs' shapes and dtypes, symbolic sizes
+included. Dynamo, AOT autograd and Inductor see one call per op and run the eager code inside the compiled graph,
+so the compiled gradients are by construction the eager ones. Traced into the graph instead (as an
+`autograd.Function` whose quantisation and `torch._scaled_mm` calls Inductor compiled), the weight gradients came
+out zero on CUDA with torch 2.11. The cost: the quantisation no longer fuses. Each of its steps (magnitude, amax,
+float32 division, clamp, cast, the backward's transposes) is a pass of its own over the operand, several in
+float32, where a fused kernel reads the operand twice and writes the FP8 copy once.
 """
 
 from __future__ import annotations
@@ -66,8 +77,6 @@ def quantize(values: Tensor, dtype: torch.dtype = E4M3, *, rowwise: bool = True)
     magnitude = values.abs()
     amax = magnitude.amax(dim=-1, keepdim=True) if rowwise else magnitude.amax()
     # An all-zero tensor or row would give scale 0 and 0/0; its quantised values are 0 whatever the (tiny) scale.
-    # A literal, not a module-level float: dynamo lifts such a global into the graph as an input when it traces
-    # an autograd.Function, and fails on the second such Function in one graph (torch 2.13).
     scale = amax.float().clamp(min=1e-12) / largest
     quantised = (values.float() / scale).clamp(-largest, largest).to(dtype)
     return quantised.contiguous(), scale
@@ -102,45 +111,109 @@ def pad_rows(values: Tensor) -> Tensor:
     return values if rows % ALIGNMENT == 0 else F.pad(values, (0, 0, 0, (-rows) % ALIGNMENT))
 
 
-class _Fp8Matmul(torch.autograd.Function):
-    """`rows [M, K] @ weight [N, K]ᵀ` with the three GEMMs of training in FP8 (module docstring)."""
+# ------------------------------------------------------------------------------------------ the opaque GEMM ops
+# The forward and one backward per scaling, each with a fake (shapes and dtypes only, symbolic sizes included) for
+# tracing, tied together by `register_autograd` (module docstring: why opaque). Every output is a fresh tensor: no
+# op aliases or mutates its inputs.
 
-    @staticmethod
-    def forward(ctx, rows: Tensor, weight: Tensor, rowwise: bool, out_dtype: torch.dtype) -> Tensor:
-        with torch.autocast(rows.device.type, enabled=False):  # the dtypes here are chosen explicitly
-            x_q, x_scale = quantize(rows, E4M3, rowwise=rowwise)  # [M, K], [M, 1] | []
-            w_q, w_scale = quantize(weight, E4M3, rowwise=rowwise)  # [N, K], [N, 1] | []
-            out = scaled_matmul(x_q, x_scale, w_q, w_scale, out_dtype, fast_accum=True)  # [M, N]
-        if rowwise:  # quantised again along the other axis in the backward
-            ctx.save_for_backward(rows, weight)
-        else:  # the FP8 copies serve the backward as they are
-            ctx.save_for_backward(x_q, x_scale, w_q, w_scale)
-        ctx.rowwise, ctx.out_dtype = rowwise, out_dtype
-        ctx.rows_dtype, ctx.weight_dtype = rows.dtype, weight.dtype
-        return out
 
-    @staticmethod
-    def backward(ctx, grad_out: Tensor) -> tuple[Tensor, Tensor, None, None]:
-        # Both gradients always, whatever `ctx.needs_input_grad` says (autograd drops one nothing needs): on one H200
-        # with torch 2.11 the compiled FP8 step's backward took 62 ms where its GEMMs alone need over 45 ms at FP8
-        # peak, and the compiled GPU gradient test failed, as if the input gradients were skipped (2026-12-02,
-        # benchmarks/BENCHMARKS.md). The cost where nothing needs one: the context projection's input gradient.
-        out_dtype = ctx.out_dtype
-        with torch.autocast(grad_out.device.type, enabled=False):
-            if ctx.rowwise:
-                rows, weight = ctx.saved_tensors
-                g_q, g_scale = quantize(grad_out, E4M3, rowwise=True)  # [M, N], per token
-                wt_q, wt_scale = quantize(weight.t(), E4M3, rowwise=True)  # [K, N], per input feature
-                grad_rows = scaled_matmul(g_q, g_scale, wt_q, wt_scale, out_dtype, fast_accum=True)  # [M, K]
-                gt_q, gt_scale = quantize(pad_rows(grad_out).t(), E4M3, rowwise=True)  # [N, M'], per output
-                xt_q, xt_scale = quantize(pad_rows(rows).t(), E4M3, rowwise=True)  # [K, M'], per input
-                grad_weight = scaled_matmul(gt_q, gt_scale, xt_q, xt_scale, out_dtype, fast_accum=True)  # [N, K]
-            else:
-                x_q, x_scale, w_q, w_scale = ctx.saved_tensors
-                g_q, g_scale = quantize(grad_out, E5M2, rowwise=False)  # [M, N]
-                grad_rows = scaled_matmul(g_q, g_scale, transposed(w_q), w_scale, out_dtype)  # [M, K]
-                grad_weight = scaled_matmul(transposed(g_q), g_scale, transposed(x_q), x_scale, out_dtype)  # [N, K]
-        return grad_rows.to(ctx.rows_dtype), grad_weight.to(ctx.weight_dtype), None, None
+def _scale_shape(count: int, rowwise: bool) -> tuple[int, ...]:
+    return (count, 1) if rowwise else ()
+
+
+@torch.library.custom_op("dflash_fp8::matmul", mutates_args=())
+def _matmul(
+    rows: Tensor, weight: Tensor, rowwise: bool, out_dtype: torch.dtype
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """`rows [M, K] @ weight [N, K]ᵀ` in FP8 -> (out `[M, N]` in `out_dtype`; x_q `[M, K]`, x_scale `[M, 1]` | `[]`,
+    w_q `[N, K]`, w_scale `[N, 1]` | `[]`: the e4m3 operands, which the tensorwise backward reuses)."""
+    with torch.autocast(rows.device.type, enabled=False):  # the dtypes here are chosen explicitly
+        x_q, x_scale = quantize(rows, E4M3, rowwise=rowwise)  # [M, K], [M, 1] | []
+        w_q, w_scale = quantize(weight, E4M3, rowwise=rowwise)  # [N, K], [N, 1] | []
+        out = scaled_matmul(x_q, x_scale, w_q, w_scale, out_dtype, fast_accum=True)  # [M, N]
+    return out, x_q, x_scale, w_q, w_scale
+
+
+@_matmul.register_fake
+def _matmul_fake(rows: Tensor, weight: Tensor, rowwise: bool, out_dtype: torch.dtype):
+    (tokens, features), outputs = rows.shape, weight.shape[0]
+    return (
+        rows.new_empty((tokens, outputs), dtype=out_dtype),
+        rows.new_empty((tokens, features), dtype=E4M3),
+        rows.new_empty(_scale_shape(tokens, rowwise), dtype=torch.float32),
+        rows.new_empty((outputs, features), dtype=E4M3),
+        rows.new_empty(_scale_shape(outputs, rowwise), dtype=torch.float32),
+    )
+
+
+@torch.library.custom_op("dflash_fp8::tensorwise_backward", mutates_args=())
+def _tensorwise_backward(
+    grad_out: Tensor,
+    x_q: Tensor,
+    x_scale: Tensor,
+    w_q: Tensor,
+    w_scale: Tensor,
+    rows_dtype: torch.dtype,
+    weight_dtype: torch.dtype,
+) -> tuple[Tensor, Tensor]:
+    """dy `[M, N]` and the forward's e4m3 x_q `[M, K]`, w_q `[N, K]` with their scales -> (dx `[M, K]` in
+    `rows_dtype`, dW `[N, K]` in `weight_dtype`); the GEMMs write dy's dtype (the forward's output dtype)."""
+    out_dtype = grad_out.dtype
+    with torch.autocast(grad_out.device.type, enabled=False):
+        g_q, g_scale = quantize(grad_out, E5M2, rowwise=False)  # [M, N]
+        grad_rows = scaled_matmul(g_q, g_scale, transposed(w_q), w_scale, out_dtype)  # [M, K]
+        grad_weight = scaled_matmul(transposed(g_q), g_scale, transposed(x_q), x_scale, out_dtype)  # [N, K]
+    return grad_rows.to(rows_dtype), grad_weight.to(weight_dtype)
+
+
+@_tensorwise_backward.register_fake
+def _tensorwise_backward_fake(grad_out, x_q, x_scale, w_q, w_scale, rows_dtype, weight_dtype):
+    return x_q.new_empty(x_q.shape, dtype=rows_dtype), w_q.new_empty(w_q.shape, dtype=weight_dtype)
+
+
+@torch.library.custom_op("dflash_fp8::rowwise_backward", mutates_args=())
+def _rowwise_backward(grad_out: Tensor, rows: Tensor, weight: Tensor) -> tuple[Tensor, Tensor]:
+    """dy `[M, N]`, x `[M, K]`, W `[N, K]` -> (dx `[M, K]` in x's dtype, dW `[N, K]` in W's); x and W are quantised
+    again, along the axis each GEMM keeps; the GEMMs write dy's dtype (the forward's output dtype)."""
+    out_dtype = grad_out.dtype
+    with torch.autocast(grad_out.device.type, enabled=False):
+        g_q, g_scale = quantize(grad_out, E4M3, rowwise=True)  # [M, N], per token
+        wt_q, wt_scale = quantize(weight.t(), E4M3, rowwise=True)  # [K, N], per input feature
+        grad_rows = scaled_matmul(g_q, g_scale, wt_q, wt_scale, out_dtype, fast_accum=True)  # [M, K]
+        gt_q, gt_scale = quantize(pad_rows(grad_out).t(), E4M3, rowwise=True)  # [N, M'], per output
+        xt_q, xt_scale = quantize(pad_rows(rows).t(), E4M3, rowwise=True)  # [K, M'], per input
+        grad_weight = scaled_matmul(gt_q, gt_scale, xt_q, xt_scale, out_dtype, fast_accum=True)  # [N, K]
+    return grad_rows.to(rows.dtype), grad_weight.to(weight.dtype)
+
+
+@_rowwise_backward.register_fake
+def _rowwise_backward_fake(grad_out, rows, weight):
+    return rows.new_empty(rows.shape), weight.new_empty(weight.shape)
+
+
+def _matmul_setup_context(ctx, inputs, output) -> None:
+    rows, weight, rowwise, _ = inputs
+    _, x_q, x_scale, w_q, w_scale = output
+    ctx.mark_non_differentiable(x_q, x_scale, w_q, w_scale)
+    ctx.set_materialize_grads(False)  # no zero gradients for the four outputs above
+    if rowwise:  # quantised again along the other axis in the backward
+        ctx.save_for_backward(rows, weight)
+    else:  # the FP8 copies serve the backward as they are
+        ctx.save_for_backward(x_q, x_scale, w_q, w_scale)
+    ctx.rowwise, ctx.rows_dtype, ctx.weight_dtype = rowwise, rows.dtype, weight.dtype
+
+
+def _matmul_backward(ctx, grad_out: Tensor, *_unused: Tensor | None) -> tuple[Tensor, Tensor, None, None]:
+    # Both gradients always (autograd drops one nothing needs): one op computes them, whatever
+    # `ctx.needs_input_grad` says. The cost where nothing needs one: the context projection's input gradient.
+    if ctx.rowwise:
+        grad_rows, grad_weight = _rowwise_backward(grad_out, *ctx.saved_tensors)
+    else:
+        grad_rows, grad_weight = _tensorwise_backward(grad_out, *ctx.saved_tensors, ctx.rows_dtype, ctx.weight_dtype)
+    return grad_rows, grad_weight, None, None
+
+
+_matmul.register_autograd(_matmul_backward, setup_context=_matmul_setup_context)
 
 
 def fp8_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, *, rowwise: bool = False) -> Tensor:
@@ -149,7 +222,7 @@ def fp8_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, *, rowwise
     device = x.device.type
     out_dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
     rows = x.reshape(-1, x.shape[-1])  # [M, K]
-    out = _Fp8Matmul.apply(rows, weight, rowwise, out_dtype)  # [M, N]
+    out = _matmul(rows, weight, rowwise, out_dtype)[0]  # [M, N]
     if bias is not None:
         out = out + bias.to(out_dtype)
     return out.view(*x.shape[:-1], weight.shape[0])
