@@ -54,6 +54,7 @@ float32, where a fused kernel reads the operand twice and writes the FP8 copy on
 
 from __future__ import annotations
 
+import math
 from typing import Literal
 
 import torch
@@ -74,11 +75,15 @@ def quantize(values: Tensor, dtype: torch.dtype = E4M3, *, rowwise: bool = True)
     `values ~ quantised * scales`: each row's (or the tensor's) largest magnitude maps to the format's largest
     finite value, the rest rounds to nearest."""
     largest = torch.finfo(dtype).max
-    magnitude = values.abs()
-    amax = magnitude.amax(dim=-1, keepdim=True) if rowwise else magnitude.amax()
+    # The largest magnitude in one read (no |values| copy first); a maximum is exact in any dtype.
+    amax = torch.linalg.vector_norm(values, ord=math.inf, dim=-1, keepdim=True) if rowwise else values.norm(math.inf)
     # An all-zero tensor or row would give scale 0 and 0/0; its quantised values are 0 whatever the (tiny) scale.
     scale = amax.float().clamp(min=1e-12) / largest
-    quantised = (values.float() / scale).clamp(-largest, largest).to(dtype)
+    # Half-precision values divided by a float32 scale with dimensions divide in float32 without a float32 copy of
+    # the values first (a 0-dim scale would not promote them, hence [1, 1]); the same numbers as float(v) / s.
+    source = values if values.dtype in (torch.bfloat16, torch.float16, torch.float32) else values.float()
+    scaled = torch.div(source, scale if rowwise else scale.view(1, 1))  # [M, K] float32
+    quantised = scaled.clamp_(-largest, largest).to(dtype)
     return quantised.contiguous(), scale
 
 
