@@ -47,19 +47,23 @@ e4m3 operands with their scales) and each scaling's backward (`dflash_fp8::tenso
 included. Dynamo, AOT autograd and Inductor see one call per op and run the eager code inside the compiled graph,
 so the compiled gradients are by construction the eager ones. Traced into the graph instead (as an
 `autograd.Function` whose quantisation and `torch._scaled_mm` calls Inductor compiled), the weight gradients came
-out zero on CUDA with torch 2.11. The cost: the quantisation no longer fuses. Each of its steps (magnitude, amax,
-float32 division, clamp, cast, the backward's transposes) is a pass of its own over the operand, several in
-float32, where a fused kernel reads the operand twice and writes the FP8 copy once.
+out zero on CUDA with torch 2.11. The cost: the quantisation no longer fuses with the ops around it. On CUDA the ops call a separately compiled
+quantiser (`op_quantize`: an amax reduction and one scale-and-cast pass per operand, forward-only, so no graph
+that autograd differentiates ever contains FP8 code); eagerly it would be several passes, half of them in float32.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from functools import cache
 from typing import Literal
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+
+from ..compiling import compile_dynamic
 
 E4M3 = torch.float8_e4m3fn
 E5M2 = torch.float8_e5m2
@@ -122,6 +126,21 @@ def pad_rows(values: Tensor) -> Tensor:
 # op aliases or mutates its inputs.
 
 
+def op_quantize(values: Tensor, dtype: torch.dtype, *, rowwise: bool) -> tuple[Tensor, Tensor]:
+    """`quantize` as the opaque ops run it: on CUDA compiled on its own (the amax reduction and one scale-and-cast
+    pass instead of several eager passes, half of them in float32), on the CPU eagerly (Inductor's CPU compile
+    costs seconds per shape class and the CPU path is for tests). Called at run time inside an op, so the compiled
+    quantiser is a forward-only graph of its own, never part of a graph that autograd differentiates."""
+    if values.is_cuda:
+        return _compiled_quantize()(values, dtype, rowwise=rowwise)
+    return quantize(values, dtype, rowwise=rowwise)
+
+
+@cache
+def _compiled_quantize() -> Callable[..., tuple[Tensor, Tensor]]:
+    return compile_dynamic(quantize)
+
+
 def _scale_shape(count: int, rowwise: bool) -> tuple[int, ...]:
     return (count, 1) if rowwise else ()
 
@@ -133,8 +152,8 @@ def _matmul(
     """`rows [M, K] @ weight [N, K]ᵀ` in FP8 -> (out `[M, N]` in `out_dtype`; x_q `[M, K]`, x_scale `[M, 1]` | `[]`,
     w_q `[N, K]`, w_scale `[N, 1]` | `[]`: the e4m3 operands, which the tensorwise backward reuses)."""
     with torch.autocast(rows.device.type, enabled=False):  # the dtypes here are chosen explicitly
-        x_q, x_scale = quantize(rows, E4M3, rowwise=rowwise)  # [M, K], [M, 1] | []
-        w_q, w_scale = quantize(weight, E4M3, rowwise=rowwise)  # [N, K], [N, 1] | []
+        x_q, x_scale = op_quantize(rows, E4M3, rowwise=rowwise)  # [M, K], [M, 1] | []
+        w_q, w_scale = op_quantize(weight, E4M3, rowwise=rowwise)  # [N, K], [N, 1] | []
         out = scaled_matmul(x_q, x_scale, w_q, w_scale, out_dtype, fast_accum=True)  # [M, N]
     return out, x_q, x_scale, w_q, w_scale
 
@@ -165,7 +184,7 @@ def _tensorwise_backward(
     `rows_dtype`, dW `[N, K]` in `weight_dtype`); the GEMMs write dy's dtype (the forward's output dtype)."""
     out_dtype = grad_out.dtype
     with torch.autocast(grad_out.device.type, enabled=False):
-        g_q, g_scale = quantize(grad_out, E5M2, rowwise=False)  # [M, N]
+        g_q, g_scale = op_quantize(grad_out, E5M2, rowwise=False)  # [M, N]
         grad_rows = scaled_matmul(g_q, g_scale, transposed(w_q), w_scale, out_dtype)  # [M, K]
         grad_weight = scaled_matmul(transposed(g_q), g_scale, transposed(x_q), x_scale, out_dtype)  # [N, K]
     return grad_rows.to(rows_dtype), grad_weight.to(weight_dtype)
@@ -182,11 +201,11 @@ def _rowwise_backward(grad_out: Tensor, rows: Tensor, weight: Tensor) -> tuple[T
     again, along the axis each GEMM keeps; the GEMMs write dy's dtype (the forward's output dtype)."""
     out_dtype = grad_out.dtype
     with torch.autocast(grad_out.device.type, enabled=False):
-        g_q, g_scale = quantize(grad_out, E4M3, rowwise=True)  # [M, N], per token
-        wt_q, wt_scale = quantize(weight.t(), E4M3, rowwise=True)  # [K, N], per input feature
+        g_q, g_scale = op_quantize(grad_out, E4M3, rowwise=True)  # [M, N], per token
+        wt_q, wt_scale = op_quantize(weight.t(), E4M3, rowwise=True)  # [K, N], per input feature
         grad_rows = scaled_matmul(g_q, g_scale, wt_q, wt_scale, out_dtype, fast_accum=True)  # [M, K]
-        gt_q, gt_scale = quantize(pad_rows(grad_out).t(), E4M3, rowwise=True)  # [N, M'], per output
-        xt_q, xt_scale = quantize(pad_rows(rows).t(), E4M3, rowwise=True)  # [K, M'], per input
+        gt_q, gt_scale = op_quantize(pad_rows(grad_out).t(), E4M3, rowwise=True)  # [N, M'], per output
+        xt_q, xt_scale = op_quantize(pad_rows(rows).t(), E4M3, rowwise=True)  # [K, M'], per input
         grad_weight = scaled_matmul(gt_q, gt_scale, xt_q, xt_scale, out_dtype, fast_accum=True)  # [N, K]
     return grad_rows.to(rows.dtype), grad_weight.to(weight.dtype)
 
