@@ -104,3 +104,33 @@ def test_compiled_frames_since_lists_each_frame_and_its_second_graph():
     assert frames[0]["frame"].startswith("step (test_bench.py:") and all(f["seconds"] >= 0 for f in frames)
     assert bench.compiled_frames_since(time.time_ns() // 1000) == []
     assert "[0/1]" in bench.describe_frames(frames) and bench.describe_frames([]) == "none"
+
+
+def test_a_failing_setting_is_recorded_the_next_still_runs_and_the_bench_fails(tmp_path, monkeypatch):
+    """An error in one ablation (not out-of-memory, which is a result) is printed and recorded in the JSON, the
+    settings after it still run, and the bench raises at the end naming it."""
+    monkeypatch.setattr(bench, "setting_for", lambda config, documents: bench.Setting(TINY_LLAMA, tiny_documents))
+    timed = bench.time_steps
+
+    def time_steps(trainer, work, **kwargs):
+        if kwargs["name"] == "end_to_end[broken]":
+            raise ValueError("a kernel that cannot run here")
+        return timed(trainer, work, **kwargs)
+
+    monkeypatch.setattr(bench, "time_steps", time_steps)
+    out = tmp_path / "bench.json"
+    small = ["drafter.num_layers=1", "drafter.num_target_features=1", "data.token_budget=256", "data.max_seq_len=128"]
+    with pytest.raises(RuntimeError, match=r"1 phase\(s\) failed .*end_to_end\[broken\]: ValueError: a kernel"):
+        bench.run_bench(
+            recipe=ROOT / "recipes/bench-smollm2.yaml",
+            overrides=[*small, "data.max_anchors=2", "loss.chunk_blocks=8"],
+            steps=1,
+            warmup=0,
+            out=out,
+            ablations=["broken:loss.chunk_blocks=4", "after:loss.chunk_blocks=2"],
+            require_cuda=False,
+        )
+    saved = {r["name"]: r for r in json.loads(out.read_text())}
+    assert list(saved) == ["drafter_only", "end_to_end", "end_to_end[broken]", "end_to_end[after]"]
+    assert "ValueError: a kernel that cannot run here" in saved["end_to_end[broken]"]["error"]
+    assert saved["end_to_end[after]"]["step_ms_median"] > 0

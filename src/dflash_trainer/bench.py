@@ -37,6 +37,7 @@ import json
 import statistics
 import tempfile
 import time
+import traceback
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -581,6 +582,7 @@ def run_bench(
             finally:
                 steps_iter.close()  # stops the prefetch worker, also when a step ran out of memory
 
+        errors: list[str] = []
         for index, (name, extra) in enumerate([("", []), *parsed]):
             config = bench_config(recipe, [*overrides, *extra], shards, Path(tmp) / f"run{index}")
             failure = None
@@ -590,12 +592,19 @@ def run_bench(
                 # A setting that does not fit is a result too (the next phases may fit): say so and go on.
                 first_line = str(error).splitlines()[0] if str(error) else "out of memory"
                 failure = f"out of device memory: {first_line}"
+            except Exception as error:
+                # A setting that fails is recorded and the other settings still run; the bench then fails below.
+                traceback.print_exc()
+                failure = f"{type(error).__name__}: {(str(error).splitlines() or [''])[0]}"
+                errors.append(f"{running[0]}: {failure}")
             if failure is not None:  # out of the except block: the traceback no longer holds the phase's trainer
                 gc.collect()
                 peak = torch.cuda.max_memory_allocated(device) / 2**30
                 torch.cuda.empty_cache()
                 record(PhaseResult.failed(running[0], failure, peak))
     print(f"bench: {len(results)} phases done")
+    if errors:
+        raise RuntimeError(f"bench: {len(errors)} phase(s) failed (tracebacks above): " + "; ".join(errors))
     return results
 
 
