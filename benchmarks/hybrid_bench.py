@@ -52,8 +52,8 @@ Phases (each child):
   common prefix) says whether the two tokens are a near-tie (both logits within 4 bf16 rounding steps of the top
   one; their gap to the top logit is reported) or not. Parting within the first few tokens on every row (token 2 is
   the first a rollback touches) with no near-ties points at the recurrent-state rollback; parting late at near-ties
-  is rounding drift. Measurements other than the engine's own with graphs that fail (out of memory) are recorded as
-  errors and the rest still run;
+  is rounding drift. Above 64 rows only the engine's own decoding, the profile and the state update run. Measurements
+  other than the engine's own with graphs that fail (out of memory) are recorded as errors and the rest still run;
 - `decode_fp8`: after the target's decoder linears are quantised to FP8 in place (`target.fp8`, `targets/fp8.py`),
   plain decoding with CUDA graphs at each row count: half the weight bytes per step, twice the GEMM rate. Last,
   since it changes the target. The decode phase alone at the three row counts (about 4 minutes after the target is
@@ -389,24 +389,26 @@ def decode_rows(target, runner, variants: dict, prompts: list[list[int]], *, new
     row count, say) is recorded as its error and the rest still run."""
     count = len(prompts)
     entry = {"graphs": plain_steps(runner, prompts, new_tokens=new_tokens, use_graphs=True)}
-    others = {name: variant for name, variant in variants.items() if name != "graphs"}
+    others = {name: variant for name, variant in variants.items() if name != "graphs" and count <= COMPARISON_ROWS}
     for name, variant in others.items():
         entry[name] = attempt(plain_steps, variant, prompts, new_tokens=new_tokens, use_graphs=True)
-    entry["eager"] = attempt(plain_steps, runner, prompts, new_tokens=new_tokens, use_graphs=False)
+    if count <= COMPARISON_ROWS:
+        entry["eager"] = attempt(plain_steps, runner, prompts, new_tokens=new_tokens, use_graphs=False)
     entry["profile"] = attempt(profile_decode_step, runner, count)
     entry["state_update"] = attempt(state_update_bandwidth, runner, count)
     if count <= SPECULATIVE_ROWS:
         entry["speculative"] = attempt(speculative_check, target, prompts, entry["graphs"]["outputs"])
     reference = entry["graphs"]["outputs"]
     for name in (*variants, "eager"):  # rows whose output equals the engine's with graphs (bf16: near-ties part)
-        if "outputs" in entry[name]:
+        if name in entry and "outputs" in entry[name]:
             outputs = entry[name].pop("outputs")
             entry[name]["rows_equal_to_graphs"] = sum(a == b for a, b in zip(outputs, reference, strict=True))
     graphs, profile = entry["graphs"], entry["profile"]
-    timings = ", ".join(f"{ms_or_error(entry[name])} {name.removeprefix('graphs, ')}" for name in (*others, "eager"))
+    compared = [name for name in (*others, "eager") if name in entry]
+    timings = ", ".join(f"{ms_or_error(entry[name])} {name.removeprefix('graphs, ')}" for name in compared)
     line = (
         f"{count} rows: {graphs['ms_per_step']:.1f} ms/step = {graphs['tokens_per_s']:,.0f} tok/s with CUDA graphs,"
-        f" peak {graphs['peak_gib']:.1f} GiB ({timings})"
+        f" peak {graphs['peak_gib']:.1f} GiB" + (f" ({timings})" if timings else "")
     )
     if "error" in profile:
         line += f"; profile {profile['error']}"
@@ -448,6 +450,9 @@ def ms_or_error(measurement: dict) -> str:
 # and the ids prompts are drawn from (the top rows spared: the drafter's mask token is the last).
 PROMPT_TOKENS = 512
 PROMPT_VOCAB = QWEN36_27B["vocab_size"] - 4096
+# Row counts up to which the decode phase also times the other kernel variants and eager decoding (each one more
+# prefill of every row: ~15 s at 256 rows of this shape; measured at 8 and 64 rows on 2026-12-02).
+COMPARISON_ROWS = 64
 # Row counts up to which the decode phase also runs speculative decoding (its verify step keeps each linear layer's
 # block inputs until the commit: about 12 GB more at 256 rows of this shape).
 SPECULATIVE_ROWS = 64
