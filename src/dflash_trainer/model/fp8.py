@@ -221,6 +221,20 @@ def _matmul_backward(ctx, grad_out: Tensor, *_unused: Tensor | None) -> tuple[Te
 _matmul.register_autograd(_matmul_backward, setup_context=_matmul_setup_context)
 
 
+@torch.library.custom_op("dflash_fp8::scaled_mm", mutates_args=())
+def scaled_mm(a: Tensor, a_scale: Tensor, b: Tensor, b_scale: Tensor, fast_accum: bool) -> Tensor:
+    """`scaled_matmul` to bf16, forward only (no autograd: its FP8 operands are constants to it): the GEMMs of the
+    loss's frozen LM head (`model/fp8_head.py`), opaque inside the compiled loss chunk whose quantisation stays
+    traced. `a` `[M, K]`, `b` `[N, K]` e4m3 with scales `[M, 1]`, `[N, 1]` -> `[M, N]` bf16."""
+    with torch.autocast(a.device.type, enabled=False):
+        return scaled_matmul(a, a_scale, b, b_scale, torch.bfloat16, fast_accum=fast_accum)
+
+
+@scaled_mm.register_fake
+def _scaled_mm_fake(a: Tensor, a_scale: Tensor, b: Tensor, b_scale: Tensor, fast_accum: bool) -> Tensor:
+    return a.new_empty((a.shape[0], b.shape[0]), dtype=torch.bfloat16)
+
+
 def fp8_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, *, rowwise: bool = False) -> Tensor:
     """`F.linear(x, weight, bias)` for training with its three GEMMs in FP8. x `[..., K]`, weight `[N, K]` (the
     float32 master weight, or any float dtype) -> `[..., N]` in autocast's dtype under autocast, else x's."""
