@@ -49,7 +49,9 @@ so the compiled gradients are by construction the eager ones. Traced into the gr
 `autograd.Function` whose quantisation and `torch._scaled_mm` calls Inductor compiled), the weight gradients came
 out zero on CUDA with torch 2.11. The cost: the quantisation no longer fuses. Each of its steps (magnitude, amax,
 float32 division, clamp, cast, the backward's transposes) is a pass of its own over the operand, several in
-float32, where a fused kernel reads the operand twice and writes the FP8 copy once.
+float32, where a fused kernel reads the operand twice and writes the FP8 copy once. One more op, forward only,
+`dflash_fp8::scaled_mm`, is the bare GEMM, for callers whose quantisation stays traced (the loss's FP8 LM head,
+`model/fp8_head.py`).
 """
 
 from __future__ import annotations
