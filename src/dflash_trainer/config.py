@@ -290,6 +290,10 @@ class LossConfig:
     chunk_blocks: int = 64
     # torch.compile the per-chunk LM head + loss on CUDA (fuses the softmax, CE, argmax and gradient passes).
     compile: bool = True
+    # The drafter slots' two LM-head GEMMs (logits, and their gradient times the head) in FP8, e4m3 with row-wise
+    # scales (model/fp8_head.py); a GPU with FP8 tensor cores. Off: the logits' precision matters for soft labels;
+    # measure tau against bf16 first.
+    fp8_head: bool = False
     # DFlash2's selector term (used with drafter.algorithm dflash2 only).
     selector: SelectorLossConfig = field(default_factory=SelectorLossConfig)
 

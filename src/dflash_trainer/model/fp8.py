@@ -47,9 +47,11 @@ e4m3 operands with their scales) and each scaling's backward (`dflash_fp8::tenso
 included. Dynamo, AOT autograd and Inductor see one call per op and run the eager code inside the compiled graph,
 so the compiled gradients are by construction the eager ones. Traced into the graph instead (as an
 `autograd.Function` whose quantisation and `torch._scaled_mm` calls Inductor compiled), the weight gradients came
-out zero on CUDA with torch 2.11. The cost: the quantisation no longer fuses with the ops around it. On CUDA the ops call a separately compiled
-quantiser (`op_quantize`: an amax reduction and one scale-and-cast pass per operand, forward-only, so no graph
-that autograd differentiates ever contains FP8 code); eagerly it would be several passes, half of them in float32.
+out zero on CUDA with torch 2.11. The cost: the quantisation no longer fuses with the ops around it. On CUDA the
+ops call a separately compiled quantiser (`op_quantize`: an amax reduction and one scale-and-cast pass per operand,
+forward-only, so no graph that autograd differentiates ever contains FP8 code); eagerly it would be several passes,
+half of them in float32. One more op, forward only, `dflash_fp8::scaled_mm`, is the bare GEMM, for callers whose
+quantisation stays traced (the loss's FP8 LM head, `model/fp8_head.py`).
 """
 
 from __future__ import annotations
@@ -238,6 +240,20 @@ def _matmul_backward(ctx, grad_out: Tensor, *_unused: Tensor | None) -> tuple[Te
 
 
 _matmul.register_autograd(_matmul_backward, setup_context=_matmul_setup_context)
+
+
+@torch.library.custom_op("dflash_fp8::scaled_mm", mutates_args=())
+def scaled_mm(a: Tensor, a_scale: Tensor, b: Tensor, b_scale: Tensor, fast_accum: bool) -> Tensor:
+    """`scaled_matmul` to bf16, forward only (no autograd: its FP8 operands are constants to it): the GEMMs of the
+    loss's frozen LM head (`model/fp8_head.py`), opaque inside the compiled loss chunk whose quantisation stays
+    traced. `a` `[M, K]`, `b` `[N, K]` e4m3 with scales `[M, 1]`, `[N, 1]` -> `[M, N]` bf16."""
+    with torch.autocast(a.device.type, enabled=False):
+        return scaled_matmul(a, a_scale, b, b_scale, torch.bfloat16, fast_accum=fast_accum)
+
+
+@scaled_mm.register_fake
+def _scaled_mm_fake(a: Tensor, a_scale: Tensor, b: Tensor, b_scale: Tensor, fast_accum: bool) -> Tensor:
+    return a.new_empty((a.shape[0], b.shape[0]), dtype=torch.bfloat16)
 
 
 def fp8_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, *, rowwise: bool = False) -> Tensor:

@@ -57,6 +57,7 @@ from ..model.config import DrafterModelConfig
 from ..model.dflash2 import DFlash2ModelConfig, SelectorObjective
 from ..model.drafter import build_drafter
 from ..model.fp8 import fp8_training_problem
+from ..model.fp8_head import fp8_head_problem
 from ..model.loss import (
     LossMetrics,
     TargetPositionLogits,
@@ -349,6 +350,8 @@ class Trainer:
         self._tables_in_data_stage = self.backend == "flex" and self.config.drafter.mask_builder == "anchors"
         self._setup_target_side()
         self.gamma = self.config.loss.gamma or default_gamma(self.model_config.block_size)
+        if self.config.loss.fp8_head:
+            self._check_fp8_head()
         self.selector_objective = self._selector_objective()
         precision = self.config.train.precision
         use_bf16 = precision == "bf16" or (precision == "auto" and self.device.type == "cuda")
@@ -361,6 +364,11 @@ class Trainer:
         scaling = self.config.drafter.fp8_scaling
         converted, kept = self.drafter.use_fp8_training(scaling)
         self.log(f"drafter: {converted} linear layers train in FP8 ({scaling} scales), {kept} in high precision")
+
+    def _check_fp8_head(self) -> None:
+        problem = fp8_training_problem(self.device) or fp8_head_problem(self.lm_head.weight)
+        if problem is not None:
+            raise ConfigError(f"loss.fp8_head: {problem}; set loss.fp8_head=false")
 
     def _selector_objective(self) -> SelectorObjective | None:
         """DFlash2's selector term beside the base loss (model/dflash2/objective.py); None for DFlash."""
@@ -656,6 +664,7 @@ class Trainer:
                     lm_head_bias=getattr(self.lm_head, "bias", None),
                     compile=loss_config.compile,
                     target_logits=target_logits,
+                    fp8_head=loss_config.fp8_head,
                 )
                 if self.selector_objective is not None:
                     result = self.selector_objective.add_term(
