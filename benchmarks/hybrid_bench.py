@@ -457,11 +457,12 @@ COMPARISON_ROWS = 64
 # block inputs until the commit: about 12 GB more at 256 rows of this shape).
 SPECULATIVE_ROWS = 64
 # Kernel classes of the eager step's profile, by a piece of the kernel's name (first match; the rest: "other").
+# Attention before convolution: cuDNN's attention kernels are named `cudnn_generated_fort_native_sdpa_..._flash_...`.
 KERNEL_CLASSES = (
     ("gemm", ("gemm", "gemv", "cutlass", "sm90_xmma", "nvjet", "splitk")),
     ("delta rule", ("gated_delta_rule", "fused_recurrent", "chunk_")),
+    ("attention", ("sdpa", "fmha", "flash", "attention", "efficient")),
     ("conv", ("causal_conv1d", "conv_depthwise", "depthwise", "conv1d", "cudnn")),
-    ("attention", ("fmha", "flash", "attention", "efficient")),
 )
 
 

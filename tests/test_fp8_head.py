@@ -47,7 +47,7 @@ def _loss_and_grad(inputs, *, dtype: torch.dtype, label_source: str, fp8_head: b
     weight = inputs["weight"].to(dtype)
     target_logits = None
     if label_source == "soft":
-        rows = torch.arange(inputs["labels"].numel()).view(inputs["labels"].shape)
+        rows = torch.arange(inputs["labels"].numel(), device=inputs["labels"].device).view(inputs["labels"].shape)
         target_logits = TargetPositionLogits(logits=inputs["target_states"].to(dtype) @ weight.t(), slot_rows=rows)
     out = dflash_loss(
         hidden,
