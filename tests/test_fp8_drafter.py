@@ -252,17 +252,32 @@ def test_inductor_compiled_fp8_gradients_equal_the_eager_ones(scaling, quantiser
     the ops quantise with the separately compiled quantiser, CUDA's path, forced here on the CPU: it runs nested
     inside the compiled graph's opaque ops and must give the same gradients."""
     if quantiser == "compiled":
-        monkeypatch.setattr(
-            fp8,
-            "op_quantize",
-            lambda values, dtype, *, rowwise: fp8._compiled_quantize()(values, dtype, rowwise=rowwise),
-        )
+        monkeypatch.setattr(fp8, "compiled_quantisers_on", lambda device: True)
     torch._dynamo.reset()
     compiled_grads = _stacked_grads(torch.compile(_stacked_linears, dynamic=True, backend="inductor"), scaling)
     torch._dynamo.reset()
     for eager, actual in zip(_stacked_grads(_stacked_linears, scaling), compiled_grads, strict=True):
         for expected, grad in zip(eager, actual, strict=True):
             assert grad.abs().sum() > 0 and _relative_error(grad, expected.double()) < 1e-6
+
+
+@pytest.mark.slow  # Inductor's C++ compile of the quantisers: ~30 s on 2 shared cores
+def test_the_compiled_quantisers_stay_within_dynamos_recompile_limit(monkeypatch):
+    """Every kind of quantisation the ops make (both scalings; activations in bf16, float32 master weights as
+    `nn.Parameter`s and detached, contiguous and transposed; eager and compiled callers; two token counts) runs
+    compiled: none of the quantisers reaches dynamo's recompile limit, past which it would run eagerly."""
+    monkeypatch.setattr(fp8, "compiled_quantisers_on", lambda device: True)
+    monkeypatch.setattr(torch._dynamo.config, "fail_on_recompile_limit_hit", True)
+    torch._dynamo.reset()
+    compiled = torch.compile(_stacked_linears, dynamic=True, backend="inductor")
+    for scaling in ("tensorwise", "rowwise"):
+        _stacked_grads(_stacked_linears, scaling)  # eager callers
+        _stacked_grads(compiled, scaling)
+        layer = Fp8TrainingLinear(nn.Linear(64, 32), rowwise=scaling == "rowwise")  # a Parameter weight
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            layer(torch.randn(48, 64, requires_grad=True)).float().sum().backward()
+        assert layer.weight.grad.abs().sum() > 0
+    torch._dynamo.reset()
 
 
 # --------------------------------------------------------------------------------------------- the drafter

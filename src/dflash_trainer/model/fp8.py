@@ -132,15 +132,40 @@ def op_quantize(values: Tensor, dtype: torch.dtype, *, rowwise: bool) -> tuple[T
     """`quantize` as the opaque ops run it: on CUDA compiled on its own (the amax reduction and one scale-and-cast
     pass instead of several eager passes, half of them in float32), on the CPU eagerly (Inductor's CPU compile
     costs seconds per shape class and the CPU path is for tests). Called at run time inside an op, so the compiled
-    quantiser is a forward-only graph of its own, never part of a graph that autograd differentiates."""
-    if values.is_cuda:
-        return _compiled_quantize()(values, dtype, rowwise=rowwise)
+    quantiser is a forward-only graph of its own, never part of a graph that autograd differentiates.
+
+    One compiled function per kind of quantisation (format x scaling), each its own code object: dynamo keeps its
+    graphs per code object and falls back to eager for good once one has 8 (its recompile limit). One `quantize`
+    compiled for every kind reached that limit within the first 27B step (kinds x input dtypes x layouts x
+    `nn.Parameter` or plain tensor), and every later kind ran eagerly. Detached, a weight comes in as a plain tensor
+    (the same graph as the activations' in its dtype); what is left per function is input dtype and layout."""
+    if compiled_quantisers_on(values.device):
+        return _compiled_quantiser(dtype, rowwise)(values.detach())
     return quantize(values, dtype, rowwise=rowwise)
 
 
+def compiled_quantisers_on(device: torch.device) -> bool:
+    return device.type == "cuda"
+
+
+def _e4m3_per_row(values: Tensor) -> tuple[Tensor, Tensor]:
+    return quantize(values, E4M3, rowwise=True)
+
+
+def _e4m3_per_tensor(values: Tensor) -> tuple[Tensor, Tensor]:
+    return quantize(values, E4M3, rowwise=False)
+
+
+def _e5m2_per_tensor(values: Tensor) -> tuple[Tensor, Tensor]:
+    return quantize(values, E5M2, rowwise=False)
+
+
+_QUANTISERS = {(E4M3, True): _e4m3_per_row, (E4M3, False): _e4m3_per_tensor, (E5M2, False): _e5m2_per_tensor}
+
+
 @cache
-def _compiled_quantize() -> Callable[..., tuple[Tensor, Tensor]]:
-    return compile_dynamic(quantize)
+def _compiled_quantiser(dtype: torch.dtype, rowwise: bool) -> Callable[[Tensor], tuple[Tensor, Tensor]]:
+    return compile_dynamic(_QUANTISERS[dtype, rowwise])
 
 
 def _scale_shape(count: int, rowwise: bool) -> tuple[int, ...]:
