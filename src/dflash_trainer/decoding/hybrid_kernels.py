@@ -34,7 +34,10 @@ kernel has the signature below:
   into registers before the token loop and stores that same tile after it, and no two programs share a tile.
   Inputs as transformers passes them (`[k, T, H, K]` queries and keys already repeated to the value heads,
   `[k, T, HV, V]` values, `[k, T, HV]` log-decays and betas), the scale 1/sqrt(K) as transformers' references
-  and fla's default use, queries and keys L2-normalised in the kernel when asked (as transformers asks).
+  and fla's default use, queries and keys L2-normalised in the kernel when asked (as transformers asks). The
+  state may be float32 or bfloat16 (`recurrent.py` "State dtype"): the kernel loads its tile as float32
+  (`tl.load(h0).to(tl.float32)`), runs the T tokens in float32 registers (the outputs see the unrounded memory)
+  and stores `b_h.to(ht's element type)`, so a bf16 state is rounded once per call, at the store.
 - `rms_norm`, `gated_rms_norm`: for the duration of an engine forward (`routed_norms`) the `forward` of the
   target's `Qwen3_5RMSNorm` modules (two per layer, the attention layers' q and k norms, the final norm) and
   `Qwen3_5RMSNormGated` modules (the linear layers' output norm) is one fla Triton kernel instead of transformers'
@@ -127,7 +130,7 @@ def fla_advance(
     value: Tensor,  # [k, T, HV, V]
     g: Tensor,  # [k, T, HV] log-decay
     beta: Tensor,  # [k, T, HV]
-    state: Tensor,  # [k, HV, K, V] float32, advanced in place
+    state: Tensor,  # [k, HV, K, V] float32 or bfloat16, advanced in place (computed in float32)
     use_qk_l2norm_in_kernel: bool,
 ) -> Tensor:
     """The gated delta rule over T tokens from `state`, which ends advanced in place; returns [k, T, HV, V]."""

@@ -2,10 +2,10 @@
 
 A Gated DeltaNet layer (Qwen3.5/3.6 hybrids) carries two states per sequence instead of keys/values per position:
 the last `kernel` inputs of its short causal convolution, `conv [rows, conv_dim, kernel]` (model dtype), and the
-delta-rule memory `recurrent [rows, Hv, Dk, Dv]` (float32 as transformers keeps it; float64 for a float64 model).
-Both summarise the whole prefix, so unlike the KV cache (`cache.py`) they cannot be rolled back by setting a
-length: after a verify step that kept c of the T block tokens of a row, the state must be the one after exactly
-c tokens.
+delta-rule memory `recurrent [rows, Hv, Dk, Dv]` (by default float32 as transformers keeps it, float64 for a
+float64 model; bfloat16 when asked: see "State dtype" below). Both summarise the whole prefix, so unlike the KV
+cache (`cache.py`) they cannot be rolled back by setting a length: after a verify step that kept c of the T block
+tokens of a row, the state must be the one after exactly c tokens.
 
 How the states are rolled back (exactly, and cheaply): a verify step leaves both states as they were before the
 block (the snapshot) and records, per layer, what the layer computed from the block: the convolution window
@@ -53,6 +53,20 @@ runs a key's first step for real and then only records it, so the states advance
 
 Modes (`begin`): `prefill` (rows given, from position 0), `advance` (every row keeps all T tokens: plain
 decoding), `verify` (every row; states kept until `commit`).
+
+State dtype (`state_dtype`, `target.recurrent_state_dtype`): `auto` (None) is float32 (float64 for a float64
+model), the lossless reference and the default; `bfloat16` halves the memory and the traffic of the states (the
+dominant term of a hybrid's decode step at many rows: 77 GB read and written per step at 256 rows of the
+Qwen3.6-27B shape in float32), as serving engines keep them by default (vLLM's `mamba_ssm_cache_dtype="auto"` is
+the model dtype). Every kernel that reads a state computes in float32 from it and only the store rounds: fla's
+kernels load the initial state as float32 and store the final one in its tensor's dtype (the in-place `advance`:
+rounded once per call), transformers' PyTorch fallbacks convert the initial state to float32 and return a float32
+final state, which `update_recurrent_state` / `commit` round into the bf16 state. So a bf16 state rounds the
+memory to 8 mantissa bits after every stored update; the outputs of the tokens inside one call see the unrounded
+float32 memory. Plain decoding stores after every token, speculative decoding's commit once per accepted block (the
+verify forward reads the rounded state of the previous commit), so with a bf16 state speculative output equals
+plain output only up to that rounding: near-ties may part, as in serving engines that keep bf16 states. The
+convolution states stay in the model dtype whatever this says.
 """
 
 from __future__ import annotations
@@ -75,8 +89,17 @@ from .hybrid_kernels import Advance
 DELTA_RULE_KERNELS = ("torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule")
 
 
-def state_dtype_for(dtype: torch.dtype) -> torch.dtype:
-    """The recurrent memory's dtype for a model in `dtype`."""
+# `target.recurrent_state_dtype` values -> the state dtype (None: `state_dtype_for`'s default).
+STATE_DTYPES: dict[str, torch.dtype | None] = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def state_dtype_for(dtype: torch.dtype, state_dtype: torch.dtype | None = None) -> torch.dtype:
+    """The recurrent memory's dtype for a model in `dtype`: `state_dtype`, or by default (None) float32 (float64
+    for a float64 model)."""
+    if state_dtype is not None:
+        if not state_dtype.is_floating_point:
+            raise ValueError(f"recurrent state dtype: {state_dtype} is not a floating-point dtype")
+        return state_dtype
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
@@ -150,16 +173,17 @@ class RecurrentStates:
         dtype: torch.dtype,
         device: torch.device,
         advance: Advance | None = None,
+        state_dtype: torch.dtype | None = None,  # the delta-rule memory's; None: `state_dtype_for`'s default
     ) -> None:
         self.rows = rows
         self._advance = advance  # in-place delta rule (module docstring), None: the layer's kernel and a copy
         self.shapes = shapes
         self.layers: list[LinearLayerState | None] = [None] * num_layers
-        state_dtype = state_dtype_for(dtype)
+        self.state_dtype = state_dtype_for(dtype, state_dtype)
         for index, shape in shapes.items():
             conv = torch.zeros(rows, shape.conv_dim, shape.kernel, dtype=dtype, device=device)
             recurrent = torch.zeros(
-                rows, shape.value_heads, shape.key_dim, shape.value_dim, dtype=state_dtype, device=device
+                rows, shape.value_heads, shape.key_dim, shape.value_dim, dtype=self.state_dtype, device=device
             )
             self.layers[index] = LinearLayerState(self, conv, recurrent)
         self.mode = Mode.ADVANCE
@@ -172,9 +196,11 @@ class RecurrentStates:
         self._calls: dict[int, _KernelCall] = {}
 
     @staticmethod
-    def bytes_per_row(shapes: dict[int, LinearLayerShape], dtype: torch.dtype) -> int:
+    def bytes_per_row(
+        shapes: dict[int, LinearLayerShape], dtype: torch.dtype, state_dtype: torch.dtype | None = None
+    ) -> int:
         element = dtype.itemsize
-        state = state_dtype_for(dtype).itemsize
+        state = state_dtype_for(dtype, state_dtype).itemsize
         return sum(
             s.conv_dim * s.kernel * element + s.value_heads * s.key_dim * s.value_dim * state for s in shapes.values()
         )

@@ -50,7 +50,7 @@ from .hybrid_kernels import (
     routed_norms,
     select_hybrid_kernels,
 )
-from .recurrent import LinearLayerShape, RecurrentStates, delta_rule_modules, routed_delta_rules
+from .recurrent import LinearLayerShape, RecurrentStates, delta_rule_modules, routed_delta_rules, state_dtype_for
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "qwen3_5_text")
 # Layouts whose linear-attention layers this engine has been checked against (transformers 5.17).
@@ -67,10 +67,17 @@ class ForwardOutput:
 
 class TargetRunner:
     """Runs a frozen Hugging Face causal LM over a `StaticKVCache`; see the module docstring. `hybrid_kernels`:
-    what a hybrid's layers run besides transformers' own (default: `select_hybrid_kernels`)."""
+    what a hybrid's layers run besides transformers' own (default: `select_hybrid_kernels`).
+    `recurrent_state_dtype`: a hybrid's delta-rule states' dtype (None: float32, float64 for a float64 model;
+    bfloat16 halves their memory and traffic, see `recurrent.py` "State dtype")."""
 
     def __init__(
-        self, model: PreTrainedModel, *, tap_layers: Sequence[int] = (), hybrid_kernels: HybridKernels | None = None
+        self,
+        model: PreTrainedModel,
+        *,
+        tap_layers: Sequence[int] = (),
+        hybrid_kernels: HybridKernels | None = None,
+        recurrent_state_dtype: torch.dtype | None = None,
     ) -> None:
         config = model.config.get_text_config(decoder=True)
         name = type(model).__name__
@@ -112,6 +119,7 @@ class TargetRunner:
         self.vocab_size = int(self.lm_head.weight.shape[0])
         self.dtype = self.embed.weight.dtype
         self.device = self.embed.weight.device
+        self.recurrent_state_dtype = state_dtype_for(self.dtype, recurrent_state_dtype)
         self.hybrid_kernels = hybrid_kernels or (select_hybrid_kernels(self.device) if linear else TRANSFORMERS)
         self.norms = NormWeights(self.decoder)  # the norms `hybrid_kernels` may run (hybrid_kernels.py)
         rotary = self.decoder.rotary_emb
@@ -135,6 +143,7 @@ class TargetRunner:
                 dtype=self.dtype,
                 device=self.device,
                 advance=self.hybrid_kernels.advance,
+                state_dtype=self.recurrent_state_dtype,
             )
         return StaticKVCache(
             attention_layers=self.attention_layers,
@@ -154,7 +163,7 @@ class TargetRunner:
 
     def state_bytes_per_row(self) -> int:
         """Bytes of recurrent state per row (linear-attention layers; independent of the length)."""
-        return RecurrentStates.bytes_per_row(self.linear_shapes, self.dtype)
+        return RecurrentStates.bytes_per_row(self.linear_shapes, self.dtype, self.recurrent_state_dtype)
 
     @torch.inference_mode()
     def forward(
