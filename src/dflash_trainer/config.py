@@ -46,6 +46,11 @@ class TargetConfig:
     # recipes/bench-qwen3-8b.yaml). Evaluation and regeneration run the layers as loaded. Off by default until
     # measured on the SmolLM2 recipe.
     compile: bool = False
+    # The decoding engine's delta-rule states of a hybrid target (Qwen3.5/3.6) in regeneration and evaluation:
+    # `auto` float32 (the lossless reference); `bfloat16` halves their memory and traffic, most of a decode step at
+    # many rows, as serving engines keep them (speculative output then equals plain only up to near-ties;
+    # decoding/recurrent.py "State dtype").
+    recurrent_state_dtype: Literal["auto", "float32", "bfloat16"] = "auto"
 
 
 # flex_attention's kernel options (torch's `FlexKernelOptions`) that `drafter.flex_kernel_options` may set: those

@@ -28,11 +28,13 @@ def target_generate_batch(
     sampling: SamplingParams = GREEDY,
     seeds: Sequence[int] | None = None,
     use_graphs: bool = True,
+    recurrent_state_dtype: torch.dtype | None = None,
 ) -> BatchRun:
-    """Decode `prompts` (token id lists) together; stops a row after a stop token (kept) or `max_new_tokens`."""
+    """Decode `prompts` (token id lists) together; stops a row after a stop token (kept) or `max_new_tokens`.
+    `recurrent_state_dtype`: a hybrid target's delta-rule states (`TargetRunner`; None: float32)."""
     check_prompts(prompts, max_new_tokens)
     seeds = list(seeds) if seeds is not None else [0] * len(prompts)
-    runner = TargetRunner(target_model)
+    runner = TargetRunner(target_model, recurrent_state_dtype=recurrent_state_dtype)
     decoder = BatchDecoder(
         runner,
         rows=len(prompts),

@@ -22,8 +22,10 @@ active flags once per `sync_every` steps (every step on CPU) to stop when all ro
 
 At temperature 0 each committed token is the target's argmax given the committed prefix, so the output equals
 plain greedy decoding (in float32; in bf16 a verify block and a one-token step round differently, see the
-near-tie check in `eval/runner.py`). At temperature > 0 the token chosen at new-token index i uses the noise of
-(request seed, i), exactly as plain sampling does, so the output equals plain sampling with the same seed.
+near-tie check in `eval/runner.py`; with bf16 recurrent states of a hybrid target the commit rounds the state once
+per block where plain decoding rounds it per token: `recurrent.py` "State dtype"). At temperature > 0 the token
+chosen at new-token index i uses the noise of (request seed, i), exactly as plain sampling does, so the output
+equals plain sampling with the same seed.
 
 The drafter runs in its own parameter dtype (load it in the target's dtype to measure speed).
 """
@@ -62,9 +64,12 @@ class SpeculativeDecoder:
         seeds: Sequence[int] | None = None,
         use_graphs: bool = True,
         sync_every: int | None = None,
+        recurrent_state_dtype: torch.dtype | None = None,  # a hybrid target's delta-rule states (None: float32)
     ) -> None:
         check_prompts(prompts, max_new_tokens)
-        self.runner = TargetRunner(target_model, tap_layers=drafter.config.target_layer_ids)
+        self.runner = TargetRunner(
+            target_model, tap_layers=drafter.config.target_layer_ids, recurrent_state_dtype=recurrent_state_dtype
+        )
         self.block_size = block = drafter.config.block_size
         self.max_new_tokens = max_new_tokens
         self.sampling = sampling

@@ -23,7 +23,9 @@ Per dataset the report gives
   (DESIGN "Lossless check precision"): in float32 any difference raises `LosslessError`; in bf16/fp16 a
   difference where both tokens are within `near_tie_ulps` rounding steps of the target's top logit is a
   *near-tie divergence* (one-token decoding and block verification use different kernel shapes, which may
-  round a near-tie either way) and is reported, anything else raises `LosslessError`.
+  round a near-tie either way) and is reported, anything else raises `LosslessError`. With bf16 recurrent states
+  (`recurrent_state_dtype`, a hybrid target) the check is that of a bf16 target: the states round differently in
+  the two runs (`decoding/recurrent.py` "State dtype").
 
 Outputs in `out_dir`: `eval.json` (the report) and `accepted_lengths.png` (the histograms), rewritten after every
 dataset, so a failure in a later dataset keeps the finished ones (`complete` says whether all ran).
@@ -163,14 +165,19 @@ def verify_lossless(
     speculative_ids: list[int],
     tokenizer: PreTrainedTokenizerBase | None = None,
     near_tie_ulps: float = NEAR_TIE_ULPS,
+    state_dtype: torch.dtype | None = None,
 ) -> NearTieDivergence | None:
-    """None when the outputs are identical; a near-tie record in reduced precision; else raises LosslessError."""
+    """None when the outputs are identical; a near-tie record in reduced precision; else raises LosslessError.
+    `state_dtype`: the decoders' recurrent states of a hybrid target, when coarser than the model dtype the
+    precision the near-tie tolerance is taken in (None: the model dtype alone)."""
     position = first_difference(target_ids, speculative_ids)
     if position is None:
         return None
     target_token = target_ids[position] if position < len(target_ids) else None
     speculative_token = speculative_ids[position] if position < len(speculative_ids) else None
     dtype = target_model.get_input_embeddings().weight.dtype
+    if state_dtype is not None and torch.finfo(state_dtype).eps > torch.finfo(dtype).eps:
+        dtype = state_dtype  # the coarser of the two rounds the outputs apart
     detail = f"in {dtype}"
     if target_token is not None and speculative_token is not None:
         prefix = torch.tensor([target_ids[:position]], dtype=input_ids.dtype, device=input_ids.device)
@@ -229,10 +236,12 @@ def evaluate(
     progress: bool = True,
     seed: int = 0,
     batch_size: int | None = None,
+    recurrent_state_dtype: torch.dtype | None = None,
 ) -> EvalReport:
     """Run the evaluation described in the module docstring; write `eval.json` and the PNG to `out_dir` after
     every dataset. `batch_size`: prompts decoded together (None: timed at batch 1 and with all prompts of a
-    dataset at once)."""
+    dataset at once). `recurrent_state_dtype`: the decoders' delta-rule states of a hybrid target (None:
+    float32)."""
     if not datasets:
         raise ValueError("datasets: need at least one prompt set")
     if batch_size is not None and batch_size < 1:
@@ -253,7 +262,7 @@ def evaluate(
     was_training = drafter.training
     drafter.eval()
     try:
-        _warm_up(target, drafter, next(iter(prompt_sets.values())))
+        _warm_up(target, drafter, next(iter(prompt_sets.values())), recurrent_state_dtype)
         for name, prompts in tqdm(
             prompt_sets.items(), desc="eval", unit="dataset", disable=not progress, dynamic_ncols=True
         ):
@@ -268,6 +277,7 @@ def evaluate(
                     seed=seed,
                     check=check_lossless and sampling.greedy,
                     batch_sizes=[batch_size] if batch_size else [1, len(prompts)],
+                    recurrent_state_dtype=recurrent_state_dtype,
                 )
             )
             report.complete = len(report.datasets) == len(prompt_sets)
@@ -278,16 +288,21 @@ def evaluate(
     return report
 
 
-def _warm_up(target: LoadedTarget, drafter: DFlashDrafter, prompts: list[Prompt]) -> None:
+def _warm_up(
+    target: LoadedTarget, drafter: DFlashDrafter, prompts: list[Prompt], state_dtype: torch.dtype | None
+) -> None:
     """One short run of each kind (library initialisation on the device is not timed)."""
     if not prompts:
         return
     ids = [prompt_token_ids(target.tokenizer, prompts[0])]
-    stops = target.stop_token_ids
-    target_generate_batch(target.model, ids, max_new_tokens=WARMUP_TOKENS, stop_token_ids=stops, use_graphs=False)
-    SpeculativeDecoder(
-        target.model, drafter, ids, max_new_tokens=WARMUP_TOKENS, stop_token_ids=stops, use_graphs=False
-    ).run()
+    common = dict(
+        max_new_tokens=WARMUP_TOKENS,
+        stop_token_ids=target.stop_token_ids,
+        use_graphs=False,
+        recurrent_state_dtype=state_dtype,
+    )
+    target_generate_batch(target.model, ids, **common)
+    SpeculativeDecoder(target.model, drafter, ids, **common).run()
 
 
 def _evaluate_dataset(
@@ -301,12 +316,18 @@ def _evaluate_dataset(
     seed: int,
     check: bool,
     batch_sizes: list[int],
+    recurrent_state_dtype: torch.dtype | None,
 ) -> DatasetReport:
     if not prompts:
         raise ValueError(f"prompt set {name!r}: no prompts")
     ids = [prompt_token_ids(target.tokenizer, prompt) for prompt in prompts]
     seeds = [derive_seed(seed, name, prompt.id) for prompt in prompts]
-    common = dict(max_new_tokens=max_new_tokens, stop_token_ids=target.stop_token_ids, sampling=sampling)
+    common = dict(
+        max_new_tokens=max_new_tokens,
+        stop_token_ids=target.stop_token_ids,
+        sampling=sampling,
+        recurrent_state_dtype=recurrent_state_dtype,
+    )
     sizes = sorted({min(size, len(prompts)) for size in batch_sizes}, reverse=True)
     # The largest batch gives the outputs (tau, lossless check); smaller ones are timed only.
     baseline_runs, speculative_runs = _decode(target, drafter, ids, seeds, common, sizes[0])
@@ -328,6 +349,7 @@ def _evaluate_dataset(
                 target_ids=baseline.output_ids,
                 speculative_ids=result.output_ids,
                 tokenizer=target.tokenizer,
+                state_dtype=recurrent_state_dtype,
             )
             if near_tie is None:
                 exact += 1

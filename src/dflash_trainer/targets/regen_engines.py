@@ -64,8 +64,16 @@ class StaticEngine(Engine):
 
     name = "the decoding engine"
 
-    def __init__(self, target: LoadedTarget, *, sampling: SamplingParams, rows: int, max_new: int) -> None:
-        runner = TargetRunner(target.model)
+    def __init__(
+        self,
+        target: LoadedTarget,
+        *,
+        sampling: SamplingParams,
+        rows: int,
+        max_new: int,
+        recurrent_state_dtype: torch.dtype | None = None,
+    ) -> None:
+        runner = TargetRunner(target.model, recurrent_state_dtype=recurrent_state_dtype)
         budget = None
         if target.device.type == "cuda":
             free, _ = torch.cuda.mem_get_info(target.device)
@@ -243,9 +251,16 @@ class EndpointEngine(Engine):
 
 
 def make_engine(
-    engine: str, *, target: LoadedTarget | None, sampling: SamplingParams, batch_size: int, max_new: int
+    engine: str,
+    *,
+    target: LoadedTarget | None,
+    sampling: SamplingParams,
+    batch_size: int,
+    max_new: int,
+    recurrent_state_dtype: torch.dtype | None = None,
 ) -> Engine:
-    """The engine named by `engine` that runs `target` in this process (`openai` is built by the caller)."""
+    """The engine named by `engine` that runs `target` in this process (`openai` is built by the caller).
+    `recurrent_state_dtype`: our engine's delta-rule states of a hybrid target (None: float32)."""
     if engine not in ENGINES or engine == "openai":
         raise ValueError(f"engine: {engine!r} is not one of auto, engine, hf, vllm")
     assert target is not None, "the engines of this process need the target"
@@ -255,7 +270,9 @@ def make_engine(
         return VLLMGenerate(target, sampling=sampling, max_new=max_new)
     if engine in ("auto", "engine"):
         try:
-            return StaticEngine(target, sampling=sampling, rows=batch_size, max_new=max_new)
+            return StaticEngine(
+                target, sampling=sampling, rows=batch_size, max_new=max_new, recurrent_state_dtype=recurrent_state_dtype
+            )
         except UnsupportedTargetError as error:
             if engine == "engine":
                 raise

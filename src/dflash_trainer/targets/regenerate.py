@@ -57,6 +57,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+import torch
 from tqdm import tqdm
 from transformers import PreTrainedTokenizerBase
 
@@ -157,6 +158,7 @@ def regenerate(
     tokenizer: PreTrainedTokenizerBase | None = None,
     on_error: OnError = "raise",
     team: RegenTeam | None = None,
+    recurrent_state_dtype: torch.dtype | None = None,
 ) -> RegenerateSummary:
     """Write `records` with every assistant turn replaced by the target's response into `out_dir`.
 
@@ -166,6 +168,7 @@ def regenerate(
     is greedy decoding. `limit` takes the first that many records. `engine="openai"` asks the server of `endpoint`;
     `target` may then be None, with the `tokenizer` that measures prompts (queue order, `max_prompt_tokens`).
     `team`: the ranks sharing the work (every rank calls this with the same arguments); one process by default.
+    `recurrent_state_dtype`: our engine's delta-rule states of a hybrid target (None: float32; `recurrent.py`).
     On a team, the first rank returns the whole run's summary, the others their own part's. See the module
     docstring for the rest.
     """
@@ -268,7 +271,12 @@ def regenerate(
                 # More rows than conversations would only decode padding: a conversation has one turn in flight.
                 rows = max(1, min(batch_size, len(pending)))
                 generator = make_engine(
-                    engine, target=target, sampling=sampling, batch_size=rows, max_new=max_new_tokens
+                    engine,
+                    target=target,
+                    sampling=sampling,
+                    batch_size=rows,
+                    max_new=max_new_tokens,
+                    recurrent_state_dtype=recurrent_state_dtype,
                 )
             summary.engine = generator.name
             queue = RequestQueue()

@@ -20,6 +20,7 @@ import torch
 from ..config import RunConfig
 from ..data.sampler import BatchPlan, TokenBudgetSampler, collate
 from ..data.shards import TokenDataset, load_shards
+from ..decoding.recurrent import STATE_DTYPES
 from ..distributed.world import World
 from ..model.attention import MaskVariant
 from ..targets.loader import LoadedTarget
@@ -54,6 +55,7 @@ def regenerate_for_training(
             # As the tokenising step after it: one odd record must not end a run over many.
             on_error="skip",
             team=team,
+            recurrent_state_dtype=STATE_DTYPES[config.target.recurrent_state_dtype],
         )
     finally:
         team.close()

@@ -19,6 +19,7 @@ from ..config import ConfigError, EndpointConfig, RunConfig, config_from_dict
 from ..data.prepare import prepare
 from ..data.prompts import check_prompt_set_name, load_prompt_set, split_set_name
 from ..data.shards import check_shards_tokenizer
+from ..decoding.recurrent import STATE_DTYPES
 from ..distributed.world import World, init_world, shutdown_world
 from ..durable_io import check_safetensors_file
 from ..errors import UserError, refuse_file_as_directory
@@ -264,6 +265,7 @@ def _run_training(
             temperature=config.eval.temperature,
             out_dir=run_dir / "eval",
             batch_size=config.eval.batch_size,
+            recurrent_state_dtype=STATE_DTYPES[config.target.recurrent_state_dtype],
         )
         print(report.format_table())
         refresh_model_card(export_dir, report.to_dict())  # the card shows the held-out tau of these weights
@@ -524,6 +526,8 @@ def eval_command(
         temperature=temperature,
         out_dir=Path(out_dir) if out_dir else source / "eval",
         batch_size=batch_size,
+        # As the run that trained the drafter decoded (an export without its run config: auto).
+        recurrent_state_dtype=STATE_DTYPES[target_config.recurrent_state_dtype] if target_config else None,
     )
     print(report.format_table())
     # The card of an export shows the evaluation kept beside it (the default --out, `eval/` in the export).
