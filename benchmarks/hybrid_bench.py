@@ -40,8 +40,10 @@ Phases (each child):
   do it);
 - `decode`: the decoding engine at each of `--rows` row counts (`--rows 8,64,256`), one prompt of 512 random tokens
   per row, 48 new tokens: plain decoding's ms per step (the steps after the prefill, without each CUDA graph's first
-  step, which runs eagerly before its capture) and tokens/s (rows x 1000 / ms), with CUDA graphs and eagerly; one
-  eager step under the profiler: kernel time by class (GEMMs, delta rule, convolution, attention, other) against
+  step, which runs eagerly before its capture) and tokens/s (rows x 1000 / ms), with CUDA graphs and eagerly, and at
+  every row count with bf16 recurrent states too (`target.recurrent_state_dtype: bfloat16`: half the state traffic;
+  its peak memory and the rows whose output equals the float32 states' are reported); one eager step under the
+  profiler: kernel time by class (GEMMs, delta rule, convolution, attention, other) against
   the step time (the rest is launch overhead), the number of kernels, the top ones; the linear layers' recurrent
   state update alone (in place, and the public fla kernel plus a copy, in GB/s of state read and written); and up to
   64 rows speculative decoding with a random 5-layer block-16 drafter (tau about 1): ms per verify step and whether
@@ -52,12 +54,13 @@ Phases (each child):
   common prefix) says whether the two tokens are a near-tie (both logits within 4 bf16 rounding steps of the top
   one; their gap to the top logit is reported) or not. Parting within the first few tokens on every row (token 2 is
   the first a rollback touches) with no near-ties points at the recurrent-state rollback; parting late at near-ties
-  is rounding drift. Above 64 rows only the engine's own decoding, the profile and the state update run. Measurements
-  other than the engine's own with graphs that fail (out of memory) are recorded as errors and the rest still run;
+  is rounding drift. Above 64 rows only the engine's own decoding (float32 and bf16 states), the profile and the
+  state update run. Measurements other than the engine's own with graphs that fail (out of memory) are recorded as
+  errors and the rest still run;
 - `decode_fp8`: after the target's decoder linears are quantised to FP8 in place (`target.fp8`, `targets/fp8.py`),
-  plain decoding with CUDA graphs at each row count: half the weight bytes per step, twice the GEMM rate. Last,
-  since it changes the target. The decode phase alone at the three row counts (about 4 minutes after the target is
-  built):
+  plain decoding with CUDA graphs at each row count, with float32 and with bf16 recurrent states: half the weight
+  bytes per step, twice the GEMM rate. Last, since it changes the target. The decode phase alone at the three row
+  counts (about 4 minutes after the target is built):
 
       PYTHONPATH=src python3 benchmarks/hybrid_bench.py --wheels .fla --kernels fla --phases decode \\
           --rows 8,64,256 --child-timeout 900
@@ -303,9 +306,10 @@ def train_phase(target, *, steps: int, compile_drafter: bool, documents: str) ->
 
 
 def decode_phase(target, *, rows: list[int], new_tokens: int) -> dict:
-    """Per row count: plain decoding's ms per step with CUDA graphs (the engine's kernels; without its fused norms;
-    with transformers' kernels only, as before) and eagerly, and tokens/s; where an eager step's kernel time goes;
-    the recurrent-state update alone; speculative == plain where rows <= SPECULATIVE_ROWS."""
+    """Per row count: plain decoding's ms per step with CUDA graphs (the engine's kernels; with bf16 recurrent
+    states; without its fused norms; with transformers' kernels only, as before) and eagerly, and tokens/s; where an
+    eager step's kernel time goes; the recurrent-state update alone; speculative == plain where rows <=
+    SPECULATIVE_ROWS."""
     import dataclasses
 
     import torch
@@ -316,7 +320,7 @@ def decode_phase(target, *, rows: list[int], new_tokens: int) -> dict:
     generator = torch_generator(1)
     prompts = [random_prompt(generator) for _ in range(max(rows))]
     runner = TargetRunner(target.model)  # the engine's choice: fla's kernels where fla is importable
-    variants = {"graphs": runner}
+    variants = {"graphs": runner, BF16_STATES: TargetRunner(target.model, recurrent_state_dtype=torch.bfloat16)}
     if runner.hybrid_kernels.rms_norm is not None:
         unfused = dataclasses.replace(runner.hybrid_kernels, name="no fused norms", rms_norm=None, gated_rms_norm=None)
         variants["graphs, transformers' norms"] = TargetRunner(target.model, hybrid_kernels=unfused)
@@ -343,21 +347,27 @@ def decode_phase(target, *, rows: list[int], new_tokens: int) -> dict:
 def decode_fp8_phase(target, *, rows: list[int], new_tokens: int) -> dict:
     """Plain decoding with CUDA graphs after the target's decoder linears are quantised to FP8 (`target.fp8`: e4m3
     weights per output row, activations per token; `targets/fp8.py`), per row count: half the weight bytes each step
-    reads, twice the GEMM rate. Quantises `target` in place: run it after every bf16 phase."""
+    reads, twice the GEMM rate; and with bf16 recurrent states besides (`BF16_STATES`). Quantises `target` in place:
+    run it after every bf16 phase."""
+    import torch
+
     from dflash_trainer.decoding.target import TargetRunner
     from dflash_trainer.targets.capture import decoder_module
     from dflash_trainer.targets.fp8 import quantize_decoder_linears
 
     quantized = quantize_decoder_linears(decoder_module(target.model).layers)
     runner = TargetRunner(target.model)
+    bf16_states = TargetRunner(target.model, recurrent_state_dtype=torch.bfloat16)
     generator = torch_generator(1)
     prompts = [random_prompt(generator) for _ in range(max(rows))]
-    plain_steps(runner, prompts[:1], new_tokens=5, use_graphs=True)  # warm-up: compiles, autotunes, cuBLAS
+    for variant in (runner, bf16_states):  # warm-up: compiles, autotunes, cuBLAS
+        plain_steps(variant, prompts[:1], new_tokens=5, use_graphs=True)
     result: dict = {"quantized_linears": quantized, "new_tokens": new_tokens, "by_rows": {}}
     lines = []
     for count in rows:
         entry = attempt(plain_steps, runner, prompts[:count], new_tokens=new_tokens, use_graphs=True)
-        entry.pop("outputs", None)
+        entry[BF16_STATES] = attempt(plain_steps, bf16_states, prompts[:count], new_tokens=new_tokens, use_graphs=True)
+        compare_outputs(entry[BF16_STATES], entry.pop("outputs", None))
         result["by_rows"][count] = entry
         line = f"{count} rows: " + (
             f"{entry['ms_per_step']:.1f} ms/step = {entry['tokens_per_s']:,.0f} tok/s with CUDA graphs, FP8 target,"
@@ -365,6 +375,7 @@ def decode_fp8_phase(target, *, rows: list[int], new_tokens: int) -> dict:
             if "error" not in entry
             else f"ERROR {entry['error']}"
         )
+        line += f"; bf16 states {rate_and_peak(entry[BF16_STATES])}"
         print(f"decode_fp8: {line}", flush=True)
         lines.append(line)
     result["summary"] = " | ".join(lines)
@@ -389,7 +400,11 @@ def decode_rows(target, runner, variants: dict, prompts: list[list[int]], *, new
     row count, say) is recorded as its error and the rest still run."""
     count = len(prompts)
     entry = {"graphs": plain_steps(runner, prompts, new_tokens=new_tokens, use_graphs=True)}
-    others = {name: variant for name, variant in variants.items() if name != "graphs" and count <= COMPARISON_ROWS}
+    others = {
+        name: variant
+        for name, variant in variants.items()
+        if name != "graphs" and (count <= COMPARISON_ROWS or name == BF16_STATES)
+    }
     for name, variant in others.items():
         entry[name] = attempt(plain_steps, variant, prompts, new_tokens=new_tokens, use_graphs=True)
     if count <= COMPARISON_ROWS:
@@ -400,12 +415,16 @@ def decode_rows(target, runner, variants: dict, prompts: list[list[int]], *, new
         entry["speculative"] = attempt(speculative_check, target, prompts, entry["graphs"]["outputs"])
     reference = entry["graphs"]["outputs"]
     for name in (*variants, "eager"):  # rows whose output equals the engine's with graphs (bf16: near-ties part)
-        if name in entry and "outputs" in entry[name]:
-            outputs = entry[name].pop("outputs")
-            entry[name]["rows_equal_to_graphs"] = sum(a == b for a, b in zip(outputs, reference, strict=True))
+        if name in entry and name != "graphs":
+            compare_outputs(entry[name], reference)
     graphs, profile = entry["graphs"], entry["profile"]
     compared = [name for name in (*others, "eager") if name in entry]
-    timings = ", ".join(f"{ms_or_error(entry[name])} {name.removeprefix('graphs, ')}" for name in compared)
+    timings = ", ".join(
+        f"bf16 states {rate_and_peak(entry[name])}"
+        if name == BF16_STATES
+        else f"{ms_or_error(entry[name])} {name.removeprefix('graphs, ')}"
+        for name in compared
+    )
     line = (
         f"{count} rows: {graphs['ms_per_step']:.1f} ms/step = {graphs['tokens_per_s']:,.0f} tok/s with CUDA graphs,"
         f" peak {graphs['peak_gib']:.1f} GiB" + (f" ({timings})" if timings else "")
@@ -446,6 +465,27 @@ def ms_or_error(measurement: dict) -> str:
     return f"{measurement['ms_per_step']:.1f} ms/step" if "error" not in measurement else measurement["error"][:40]
 
 
+def rate_and_peak(measurement: dict) -> str:
+    """ms per step, tokens/s, peak memory and the rows whose output equals the float32 states' (or the error)."""
+    if "error" in measurement:
+        return measurement["error"][:80]
+    text = (
+        f"{measurement['ms_per_step']:.1f} ms/step = {measurement['tokens_per_s']:,.0f} tok/s, peak "
+        f"{measurement['peak_gib']:.1f} GiB"
+    )
+    if "rows_equal_to_graphs" in measurement:
+        text += f", {measurement['rows_equal_to_graphs']}/{measurement['rows']} rows as with float32 states"
+    return text
+
+
+def compare_outputs(measurement: dict, reference: list[list[int]] | None) -> None:
+    """Replaces a measurement's outputs by the number of rows equal to `reference` (the engine's own outputs with
+    graphs; bf16 near-ties may part them)."""
+    outputs = measurement.pop("outputs", None)
+    if outputs is not None and reference is not None:
+        measurement["rows_equal_to_graphs"] = sum(a == b for a, b in zip(outputs, reference, strict=True))
+
+
 # Prompt length of the decode phase (the 2026-12-02 measurement: 25.5 ms per step at 8 rows, 512-token prompts),
 # and the ids prompts are drawn from (the top rows spared: the drafter's mask token is the last).
 PROMPT_TOKENS = 512
@@ -453,6 +493,9 @@ PROMPT_VOCAB = QWEN36_27B["vocab_size"] - 4096
 # Row counts up to which the decode phase also times the other kernel variants and eager decoding (each one more
 # prefill of every row: ~15 s at 256 rows of this shape; measured at 8 and 64 rows on 2026-12-02).
 COMPARISON_ROWS = 64
+# The decode variant timed at every row count (the others up to COMPARISON_ROWS): the engine with bf16 recurrent
+# states (`target.recurrent_state_dtype`), half the state traffic that dominates a step at many rows.
+BF16_STATES = "graphs, bf16 states"
 # Row counts up to which the decode phase also runs speculative decoding (its verify step keeps each linear layer's
 # block inputs until the commit: about 12 GB more at 256 rows of this shape).
 SPECULATIVE_ROWS = 64
@@ -491,6 +534,7 @@ def plain_steps(runner, prompts: list[list[int]], *, new_tokens: int, use_graphs
     timed = stats.steps - decoder.graphs.captured
     ms = 1e3 * stats.decode_s / timed
     return {
+        "rows": len(prompts),
         "ms_per_step": ms,
         "tokens_per_s": len(prompts) * 1e3 / ms,
         "steps": stats.steps,
@@ -537,7 +581,7 @@ def profile_decode_step(runner, rows: int) -> dict:
 def state_update_bandwidth(runner, rows: int) -> dict:
     """The linear layers' one-token delta-rule update at `rows` rows, alone: the engine's (in place with fla) and
     the public fused recurrent kernel plus a copy into the static state (what the engine did before), in GB/s of
-    state read and written."""
+    state read and written; in place on a bf16 state too (half the bytes)."""
     import torch
 
     shape = next(iter(runner.linear_shapes.values()))
@@ -547,9 +591,11 @@ def state_update_bandwidth(runner, rows: int) -> dict:
     q, k, v = (torch.randn(rows, 1, shape.value_heads, shape.key_dim, device=device, dtype=runner.dtype) for _ in "qkv")
     g = -torch.rand(rows, 1, shape.value_heads, device=device)
     beta = torch.rand(rows, 1, shape.value_heads, device=device, dtype=runner.dtype)
-    runs = {}
+    bf16_state = state.to(torch.bfloat16)
+    runs = {}  # name -> (update, the state it reads and writes)
     if runner.hybrid_kernels.advance is not None:
-        runs["in_place"] = lambda: runner.hybrid_kernels.advance(q, k, v, g, beta, state, True)
+        runs["in_place"] = (lambda: runner.hybrid_kernels.advance(q, k, v, g, beta, state, True), state)
+        runs["in_place_bf16"] = (lambda: runner.hybrid_kernels.advance(q, k, v, g, beta, bf16_state, True), bf16_state)
     try:
         from fla.ops.gated_delta_rule import fused_recurrent_gated_delta_rule
 
@@ -559,11 +605,11 @@ def state_update_bandwidth(runner, rows: int) -> dict:
             )
             state.copy_(final)
 
-        runs["public_and_copy"] = public_and_copy
+        runs["public_and_copy"] = (public_and_copy, state)
     except ImportError:
         pass
     result: dict = {"state_gb_per_layer": state.numel() * 4 / 1e9}
-    for name, run in runs.items():
+    for name, (run, updated) in runs.items():
         run()
         torch.cuda.synchronize(device)
         start = time.perf_counter()
@@ -571,7 +617,7 @@ def state_update_bandwidth(runner, rows: int) -> dict:
             run()
         torch.cuda.synchronize(device)
         ms = (time.perf_counter() - start) * 1e3 / 10
-        result[name] = {"ms_per_layer": ms, "ms_per_step": ms * layers, "gb_per_s": 2 * state.numel() * 4 / ms / 1e6}
+        result[name] = {"ms_per_layer": ms, "ms_per_step": ms * layers, "gb_per_s": 2 * updated.nbytes / ms / 1e6}
     result["summary"] = ", ".join(
         f"{name} {value['ms_per_step']:.1f} ms/step ({value['gb_per_s']:,.0f} GB/s of state read+written)"
         for name, value in result.items()
