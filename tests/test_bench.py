@@ -134,3 +134,48 @@ def test_a_failing_setting_is_recorded_the_next_still_runs_and_the_bench_fails(t
     assert list(saved) == ["drafter_only", "end_to_end", "end_to_end[broken]", "end_to_end[after]"]
     assert "ValueError: a kernel that cannot run here" in saved["end_to_end[broken]"]["error"]
     assert saved["end_to_end[after]"]["step_ms_median"] > 0
+
+
+def test_each_phase_starts_with_the_previous_phases_trainer_and_compiled_layers_freed(tmp_path, monkeypatch):
+    """The drafter's compiled layers are reference cycles (the compiled wrapper stored on the module refers back to
+    it): without a full collection between phases, the last phase's layers and their weights stay allocated through
+    the next. Automatic collection is off here, so only the bench's own collection can free them."""
+    import gc
+    import weakref
+
+    monkeypatch.setattr(bench, "setting_for", lambda config, documents: bench.Setting(TINY_LLAMA, tiny_documents))
+    drafter_weights: list[list[weakref.ref]] = []  # per trainer, in order of construction
+
+    class CompiledLayersTrainer(bench.Trainer):
+        def _setup_drafter(self) -> None:
+            super()._setup_drafter()
+            self.drafter.compile_layers(backend="eager")  # on CUDA the trainer compiles them; on the CPU, not
+            drafter_weights.append([weakref.ref(p) for p in self.drafter.parameters()])
+
+    alive_on_entry: dict[str, list[int]] = {}
+    timed = bench.time_steps
+
+    def time_steps(trainer, works, **kwargs):
+        earlier = drafter_weights[:-1]
+        alive_on_entry[kwargs["name"]] = [sum(ref() is not None for ref in refs) for refs in earlier]
+        return timed(trainer, works, **kwargs)
+
+    monkeypatch.setattr(bench, "Trainer", CompiledLayersTrainer)
+    monkeypatch.setattr(bench, "time_steps", time_steps)
+    small = ["drafter.num_layers=1", "drafter.num_target_features=1", "data.token_budget=256", "data.max_seq_len=128"]
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        bench.run_bench(
+            recipe=ROOT / "recipes/bench-smollm2.yaml",
+            overrides=[*small, "data.max_anchors=2", "loss.chunk_blocks=8"],
+            steps=1,
+            warmup=0,
+            ablations=["chunks:loss.chunk_blocks=4"],
+            require_cuda=False,
+        )
+    finally:
+        if was_enabled:
+            gc.enable()
+    assert len(drafter_weights) == 3
+    assert alive_on_entry == {"drafter_only": [], "end_to_end": [0], "end_to_end[chunks]": [0, 0]}
