@@ -298,9 +298,11 @@ def test_one_target_one_slow_drafter_equals_one_process_and_the_target_runs_ahea
     losses = [r["loss"] for r in records]
     assert losses == pytest.approx([r["loss"] for r in read_metrics(reference)], abs=1e-5)
     assert losses[-1] < 0.5 * losses[0], "the weights should have moved"
-    # Past the first steps every send finds the window full: the target runs ahead by queue_depth, no further.
+    # The target runs ahead by queue_depth, no further: the window fills and never overflows. (Not "full at every
+    # step": on a loaded machine the target's own steps can outlast the drafter's sleep, and near the end it has
+    # nothing left to send; both were seen: [1, 1, 2, 2, 2, 1.5].)
     inflight = [r["rank0/inflight"] for r in records if "rank0/inflight" in r]
-    assert max(inflight) == 2 and inflight[-1] == 2, inflight
+    assert max(inflight) == 2 and inflight.count(2) >= 2, inflight
     # The drafter always finds batches received ahead when it asks (it takes a step's 2 back to back: the first
     # finds the queue full, the second before the thread refilled it), never more than queue_depth.
     ahead = [r["rank1/ahead"] for r in records if "rank1/ahead" in r]
