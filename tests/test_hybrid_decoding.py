@@ -517,18 +517,7 @@ def test_speculative_decoding_of_a_hybrid_is_lossless_at_every_accepted_length(b
     else:
         assert references == [hf_greedy(target, p, max_new, []) for p in prompts]
 
-    def correct(row: int, position: int) -> int:
-        return (position + row) % block_size
-
-    config = DrafterModelConfig.from_target(
-        target.config, num_layers=1, block_size=block_size, mask_token_id=VOCAB - 1, num_target_features=2
-    )
-    oracle = BatchOracleDrafter(
-        config,
-        references=[p + r for p, r in zip(prompts, references, strict=True)],
-        head=target.lm_head.weight / 4.0,
-        correct=correct,
-    )
+    oracle, correct = rotating_oracle(target, prompts, references, block_size)
     oracle.to(device)
     # No CUDA graphs: the oracle reads block positions on the host (off CUDA there are none anyway).
     run = SpeculativeDecoder(target, oracle, prompts, max_new_tokens=max_new, stop_token_ids=[], use_graphs=False).run()
@@ -649,18 +638,7 @@ def test_speculative_decoding_with_bfloat16_states_parts_from_plain_only_at_near
     for prompt, reference in zip(prompts, references, strict=True):
         exact.agreed(prompt, exact.generate(prompt, max_new, []), reference)
 
-    def correct(row: int, position: int) -> int:
-        return (position + row) % block_size
-
-    config = DrafterModelConfig.from_target(
-        target.config, num_layers=1, block_size=block_size, mask_token_id=VOCAB - 1, num_target_features=2
-    )
-    oracle = BatchOracleDrafter(
-        config,
-        references=[p + r for p, r in zip(prompts, references, strict=True)],
-        head=target.lm_head.weight / 4.0,
-        correct=correct,
-    )
+    oracle, correct = rotating_oracle(target, prompts, references, block_size)
     run = SpeculativeDecoder(
         target, oracle, prompts, max_new_tokens=max_new, stop_token_ids=[], use_graphs=False, recurrent_state_dtype=bf16
     ).run()
@@ -869,3 +847,22 @@ def test_a_dropped_decoders_recurrent_states_are_freed_at_once():
         assert states() is None
     finally:
         gc.enable()
+
+
+def rotating_oracle(target, prompts: list[list[int]], references: list[list[int]], block_size: int):
+    """A 1-layer oracle drafter over `references` (the target's greedy outputs) on a target with an orthogonal head:
+    in row r, the block at `position` gets `(position + r) % block_size` tokens right. Returns (oracle, correct)."""
+
+    def correct(row: int, position: int) -> int:
+        return (position + row) % block_size
+
+    config = DrafterModelConfig.from_target(
+        target.config, num_layers=1, block_size=block_size, mask_token_id=VOCAB - 1, num_target_features=2
+    )
+    oracle = BatchOracleDrafter(
+        config,
+        references=[p + r for p, r in zip(prompts, references, strict=True)],
+        head=target.lm_head.weight / 4.0,
+        correct=correct,
+    )
+    return oracle, correct
