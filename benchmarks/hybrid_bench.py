@@ -417,6 +417,7 @@ def decode_rows(target, runner, variants: dict, prompts: list[list[int]], *, new
     for name in (*variants, "eager"):  # rows whose output equals the engine's with graphs (bf16: near-ties part)
         if name in entry and name != "graphs":
             compare_outputs(entry[name], reference)
+    del entry["graphs"]["outputs"]  # the reference itself: not kept in the results
     graphs, profile = entry["graphs"], entry["profile"]
     compared = [name for name in (*others, "eager") if name in entry]
     timings = ", ".join(
@@ -512,6 +513,8 @@ KERNEL_CLASSES = (
 def plain_steps(runner, prompts: list[list[int]], *, new_tokens: int, use_graphs: bool) -> dict:
     """Plain greedy decoding of `prompts` as the rows of one batch: ms per decode step over the steps after the
     prefill, leaving out each CUDA graph's first step (eager, with its capture)."""
+    import torch
+
     from dflash_trainer.decoding.batch import BatchDecoder, Request, RequestQueue
 
     decoder = BatchDecoder(
@@ -523,8 +526,6 @@ def plain_steps(runner, prompts: list[list[int]], *, new_tokens: int, use_graphs
         use_graphs=use_graphs,
         refill_min=len(prompts),
     )
-    import torch
-
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
     queue = RequestQueue([Request(index, prompt) for index, prompt in enumerate(prompts)])

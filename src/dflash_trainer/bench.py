@@ -617,9 +617,8 @@ def run_bench(
                 failure = f"{type(error).__name__}: {(str(error).splitlines() or [''])[0]}"
                 errors.append(f"{running[0]}: {failure}")
             if failure is not None:  # out of the except block: the traceback no longer holds the phase's trainer
-                gc.collect()
-                peak = torch.cuda.max_memory_allocated(device) / 2**30
-                torch.cuda.empty_cache()
+                release_previous_phase(device)
+                peak = torch.cuda.max_memory_allocated(device) / 2**30  # the failed phase's (not reset by a release)
                 record(PhaseResult.failed(running[0], failure, peak))
     print(f"bench: {len(results)} phases done")
     if errors:
