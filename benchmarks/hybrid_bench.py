@@ -582,8 +582,18 @@ def profile_decode_step(runner, rows: int) -> dict:
 def state_update_bandwidth(runner, rows: int) -> dict:
     """The linear layers' one-token delta-rule update at `rows` rows, alone: the engine's (in place with fla) and
     the public fused recurrent kernel plus a copy into the static state (what the engine did before), in GB/s of
-    state read and written; in place on a bf16 state too (half the bytes)."""
+    state read and written; in place on a bf16 state too (half the bytes); and fla's kernel with other tiles
+    (columns per program x warps, `hybrid_kernels.AdvanceTile`) on both state dtypes, the best of each named."""
+    from functools import partial
+
     import torch
+
+    from dflash_trainer.decoding.hybrid_kernels import AdvanceTile, fla_advance
+
+    tile_sweep = [
+        AdvanceTile(*tile) for tile in ((8, 1), (16, 1), (16, 2), (32, 1), (32, 2), (32, 4), (64, 2), (64, 4))
+    ]
+    dtype_names = {torch.float32: "float32", torch.bfloat16: "bf16"}
 
     shape = next(iter(runner.linear_shapes.values()))
     layers = len(runner.linear_shapes)
@@ -597,6 +607,11 @@ def state_update_bandwidth(runner, rows: int) -> dict:
     if runner.hybrid_kernels.advance is not None:
         runs["in_place"] = (lambda: runner.hybrid_kernels.advance(q, k, v, g, beta, state, True), state)
         runs["in_place_bf16"] = (lambda: runner.hybrid_kernels.advance(q, k, v, g, beta, bf16_state, True), bf16_state)
+    if runner.hybrid_kernels.advance is fla_advance:  # other tiles of the same kernel, on both state dtypes
+        for tile in tile_sweep:
+            for updated in (state, bf16_state):
+                name = f"tile_{dtype_names[updated.dtype]}_{tile.block_v}x{tile.num_warps}"
+                runs[name] = (partial(fla_advance, q, k, v, g, beta, updated, True, tile), updated)
     try:
         from fla.ops.gated_delta_rule import fused_recurrent_gated_delta_rule
 
@@ -619,11 +634,19 @@ def state_update_bandwidth(runner, rows: int) -> dict:
         torch.cuda.synchronize(device)
         ms = (time.perf_counter() - start) * 1e3 / 10
         result[name] = {"ms_per_layer": ms, "ms_per_step": ms * layers, "gb_per_s": 2 * updated.nbytes / ms / 1e6}
+    measured = {name: value for name, value in result.items() if isinstance(value, dict)}
     result["summary"] = ", ".join(
         f"{name} {value['ms_per_step']:.1f} ms/step ({value['gb_per_s']:,.0f} GB/s of state read+written)"
-        for name, value in result.items()
-        if isinstance(value, dict)
+        for name, value in measured.items()
+        if not name.startswith("tile_")
     )
+    for dtype_name in dtype_names.values():
+        tiles = {name: value for name, value in measured.items() if name.startswith(f"tile_{dtype_name}_")}
+        if tiles:
+            best = min(tiles, key=lambda name: tiles[name]["ms_per_step"])
+            result["summary"] += (
+                f"; best {dtype_name} tile {best.rsplit('_', 1)[1]} {tiles[best]['ms_per_step']:.1f} ms/step"
+            )
     return result
 
 

@@ -45,7 +45,9 @@ from dflash_trainer.decoding.hybrid_kernels import (
     CONV_KERNELS,
     FLA,
     TRANSFORMERS,
+    AdvanceTile,
     HybridKernels,
+    fla_advance,
     fla_available,
     routed_convolutions,
     select_hybrid_kernels,
@@ -360,6 +362,19 @@ def test_fla_kernels_keep_the_contracts_the_engine_relies_on(dtype):
         expected = contract.advance(q, k, v, g, beta, reference, True)
         torch.testing.assert_close(state, reference, rtol=1e-4, atol=1e-4)
         torch.testing.assert_close(out.double(), expected.double(), rtol=max(step, 1e-4), atol=max(step, 1e-4))
+        # Other tiles split the same arithmetic differently (`ADVANCE_TILES`); a bf16 state (its own tile) computes
+        # as its float32 widening does and is rounded once, at the store.
+        for tile in (AdvanceTile(16, 2), AdvanceTile(64, 4)):
+            tiled = before.clone()
+            tiled_out = fla_advance(q, k, v, g, beta, tiled, True, tile)
+            torch.testing.assert_close(tiled, state, rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(tiled_out, out, rtol=max(step, 1e-5), atol=max(step, 1e-5))
+        narrow = before.bfloat16()
+        widened = narrow.float()
+        narrow_out = FLA.advance(q, k, v, g, beta, narrow, True)
+        widened_out = FLA.advance(q, k, v, g, beta, widened, True)
+        torch.testing.assert_close(narrow_out, widened_out, rtol=max(step, 1e-5), atol=max(step, 1e-5))
+        torch.testing.assert_close(narrow.float(), widened, rtol=2**-8, atol=1e-5)
 
 
 @pytest.mark.gpu

@@ -38,6 +38,11 @@ kernel has the signature below:
   state may be float32 or bfloat16 (`recurrent.py` "State dtype"): the kernel loads its tile as float32
   (`tl.load(h0).to(tl.float32)`), runs the T tokens in float32 registers (the outputs see the unrounded memory)
   and stores `b_h.to(ht's element type)`, so a bf16 state is rounded once per call, at the store.
+  Each program owns `BV` whole columns of a head's `[K, V]` state, so it reads rows of `BV` contiguous elements:
+  fla picks `BV = 8`, 32 bytes of float32, one memory sector; in bf16 the same 8 columns are half a sector, and the
+  one-token update of a 256-row 27B state reached 1,583 GB/s against 2,856 in float32 (BENCHMARKS.md, 2026-12-02).
+  `ADVANCE_TILES` gives each state dtype its columns per program and warps; the tile does not change the arithmetic
+  (every column's update is independent of the others), only how the state is read.
 - `rms_norm`, `gated_rms_norm`: for the duration of an engine forward (`routed_norms`) the `forward` of the
   target's `Qwen3_5RMSNorm` modules (two per layer, the attention layers' q and k norms, the final norm) and
   `Qwen3_5RMSNormGated` modules (the linear layers' output norm) is one fla Triton kernel instead of transformers'
@@ -124,6 +129,19 @@ def fla_conv_update(
     return y.transpose(1, 2)
 
 
+@dataclass(frozen=True)
+class AdvanceTile:
+    """How `fla_advance` splits a head's `[K, V]` state among programs: `block_v` whole columns each (at most V),
+    on `num_warps` warps."""
+
+    block_v: int
+    num_warps: int
+
+
+# Columns per program: 32 bytes of a state row, one memory sector, whatever the dtype (module docstring).
+ADVANCE_TILES = {torch.float32: AdvanceTile(8, 1), torch.bfloat16: AdvanceTile(16, 1)}
+
+
 def fla_advance(
     query: Tensor,  # [k, T, H, K]
     key: Tensor,  # [k, T, H, K]
@@ -132,18 +150,21 @@ def fla_advance(
     beta: Tensor,  # [k, T, HV]
     state: Tensor,  # [k, HV, K, V] float32 or bfloat16, advanced in place (computed in float32)
     use_qk_l2norm_in_kernel: bool,
+    tile: AdvanceTile | None = None,
 ) -> Tensor:
-    """The gated delta rule over T tokens from `state`, which ends advanced in place; returns [k, T, HV, V]."""
+    """The gated delta rule over T tokens from `state`, which ends advanced in place; returns [k, T, HV, V].
+    `tile` (default: `ADVANCE_TILES` for the state's dtype) is for benchmarks that compare tiles."""
     import triton
     from fla.ops.gated_delta_rule.fused_recurrent import fused_recurrent_gated_delta_rule_fwd_kernel as kernel
 
+    tile = tile or ADVANCE_TILES.get(state.dtype, ADVANCE_TILES[torch.float32])
     rows, length, heads, key_dim = key.shape
     value_heads, value_dim = value.shape[-2:]
     if state.shape != (rows, value_heads, key_dim, value_dim) or not state.is_contiguous():
         raise ValueError(f"advance: state of shape {tuple(state.shape)} for {rows} rows x {value_heads} heads")
     query, key, value, g, beta = (t.contiguous() for t in (query, key, value, g, beta))
     out = torch.empty_like(value)
-    block_v = min(8, triton.next_power_of_2(value_dim))  # fla's own choice for this kernel
+    block_v = min(tile.block_v, triton.next_power_of_2(value_dim))
     grid = (triton.cdiv(value_dim, block_v), rows * value_heads)
     device = torch.cuda.device(state.device) if state.device.type == "cuda" else nullcontext()
     with device:
@@ -174,7 +195,7 @@ def fla_advance(
             APPLY_BETA_SIGMOID=False,
             ALLOW_NEG_EIGVAL=False,
             STATE_V_FIRST=False,
-            num_warps=1,
+            num_warps=tile.num_warps,
             num_stages=3,
         )
     return out
