@@ -42,8 +42,10 @@ from dflash_trainer.decoding.batch import BatchDecoder, Request, RequestQueue
 from dflash_trainer.decoding.cache import UnsupportedTargetError
 from dflash_trainer.decoding.graphs import StepGraphs
 from dflash_trainer.decoding.hybrid_kernels import (
+    ADVANCE_TILES,
     CONV_KERNELS,
     FLA,
+    FLA_PUBLIC_TILE,
     TRANSFORMERS,
     AdvanceTile,
     HybridKernels,
@@ -352,7 +354,7 @@ def test_fla_kernels_keep_the_contracts_the_engine_relies_on(dtype):
         beta = torch.rand(rows, tokens, heads, device=device).to(dtype)
         state = torch.randn(rows, heads, dim, dim, device=device)
         before, address = state.clone(), state.data_ptr()
-        out = FLA.advance(q, k, v, g, beta, state, True)
+        out = fla_advance(q, k, v, g, beta, state, True, FLA_PUBLIC_TILE)  # the public kernel's own tile
         assert state.data_ptr() == address
         public_out, public_final = fused_recurrent_gated_delta_rule(
             q, k, v, g=g, beta=beta, initial_state=before.clone(), output_final_state=True, use_qk_l2norm_in_kernel=True
@@ -364,7 +366,7 @@ def test_fla_kernels_keep_the_contracts_the_engine_relies_on(dtype):
         torch.testing.assert_close(out.double(), expected.double(), rtol=max(step, 1e-4), atol=max(step, 1e-4))
         # Other tiles split the same arithmetic differently (`ADVANCE_TILES`); a bf16 state (its own tile) computes
         # as its float32 widening does and is rounded once, at the store.
-        for tile in (AdvanceTile(16, 2), AdvanceTile(64, 4)):
+        for tile in (ADVANCE_TILES[torch.float32], AdvanceTile(16, 2), AdvanceTile(64, 4)):
             tiled = before.clone()
             tiled_out = fla_advance(q, k, v, g, beta, tiled, True, tile)
             torch.testing.assert_close(tiled, state, rtol=1e-5, atol=1e-5)

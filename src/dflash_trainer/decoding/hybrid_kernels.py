@@ -138,8 +138,11 @@ class AdvanceTile:
     num_warps: int
 
 
-# Columns per program: 32 bytes of a state row, one memory sector, whatever the dtype (module docstring).
-ADVANCE_TILES = {torch.float32: AdvanceTile(8, 1), torch.bfloat16: AdvanceTile(16, 1)}
+# fla's choice for this kernel (its public function's), and the fastest of a sweep of 8 tiles per state dtype for
+# the one-token update of the 27B shape at 256 rows on an H200 (BENCHMARKS.md, 2026-12-02): float32 22.4 ms per
+# step at 32 x 2 against 27.0 at fla's 8 x 1; bf16 15.5 ms at 16 x 1 (32-byte rows, one memory sector) against 24.4.
+FLA_PUBLIC_TILE = AdvanceTile(8, 1)
+ADVANCE_TILES = {torch.float32: AdvanceTile(32, 2), torch.bfloat16: AdvanceTile(16, 1)}
 
 
 def fla_advance(
