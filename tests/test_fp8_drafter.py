@@ -88,6 +88,19 @@ def _gemms(scaling: str, tokens: int, *, bias: bool = False):
     return x, weight, grad_out, out, x32.grad, w32.grad, b32
 
 
+@pytest.mark.parametrize("dtype", [fp8.E4M3, fp8.E5M2], ids=["e4m3", "e5m2"])
+def test_the_second_layout_is_the_exact_transpose_padded_with_zeros(dtype):
+    """The tensorwise ops keep the transposed cast for the backward (`quantize_both_layouts`): bit for bit the
+    transpose of the first layout, then zero columns up to a multiple of 16 tokens."""
+    values = torch.randn(40, 32, generator=torch.Generator().manual_seed(9)).bfloat16() * 3
+    quantised, scale, transposed = fp8.quantize_both_layouts(values, dtype)
+    reference, reference_scale = fp8.quantize(values, dtype, rowwise=False)
+    assert torch.equal(scale, reference_scale) and torch.equal(quantised.view(torch.uint8), reference.view(torch.uint8))
+    assert transposed.shape == (32, 48) and transposed.is_contiguous()
+    assert torch.equal(transposed[:, :40].view(torch.uint8), quantised.t().view(torch.uint8))
+    assert not transposed[:, 40:].view(torch.uint8).any()
+
+
 @pytest.mark.parametrize("scaling", ["tensorwise", "rowwise"])
 @pytest.mark.parametrize("tokens", [48, 40], ids=["aligned", "padded"])  # 40: the weight grad pads to 48 tokens
 def test_each_gemm_is_the_float64_product_of_its_quantised_operands(scaling, tokens):

@@ -12,13 +12,15 @@ saturates. The master weights stay float32 and the optimizer is untouched: the w
 float32 value at every step, and its gradient comes back in float32 like the bf16 path's.
 
 Two scalings (`drafter.fp8_scaling`):
-- `tensorwise` (default): one scale per tensor. x and W are quantised once in the forward and their FP8 copies are
-  kept for the backward (half the bytes of bf16), transposed there into the layouts the GEMMs want; dy is quantised
-  once for both backward GEMMs. Gradients in **e5m2**: one scale has to cover a gradient whose rows differ by
-  orders of magnitude (slot weights from 1 to e^-2, confident slots near 0, padded slots exactly 0), and e5m2 keeps
-  full relative precision over 2^30 of magnitudes below its scale where e4m3 keeps it over 2^15 (and flushes to zero
-  below 2^-18 of its largest value); e4m3 for x and W, which RMSNorm and the weight's own spread keep within a narrow
-  range. The fast path: cuBLAS's FP8 GEMM, and the fewest quantisation passes.
+- `tensorwise` (default): one scale per tensor. x and W are quantised once in the forward, each cast in two
+  layouts: the forward GEMM's, and the transposed one the backward GEMM that reads it contracts over, which is kept
+  for the backward (the bytes of one FP8 copy, half of bf16); dy is quantised once for both backward GEMMs, in both
+  layouts. Casting a second layout straight from the bf16 values is one tiled pass when compiled, where transposing
+  the FP8 copy afterwards was a byte copy of its own. Gradients in **e5m2**: one scale has to cover a gradient whose
+  rows differ by orders of magnitude (slot weights from 1 to e^-2, confident slots near 0, padded slots exactly
+  0), and e5m2 keeps full relative precision over 2^30 of magnitudes below its scale where e4m3 keeps it over 2^15
+  (and flushes to zero below 2^-18 of its largest value); e4m3 for x and W, which RMSNorm and the weight's own
+  spread keep within a narrow range. The fast path: cuBLAS's FP8 GEMM, and the fewest quantisation passes.
 - `rowwise`: one scale per row of each operand along the contracted dimension: per token for the forward and the
   input grad, per feature (over tokens) for the weight grad. Every operand, gradients included, in **e4m3**: with
   a scale per row the range is no problem, and e4m3's extra mantissa bit halves the rounding error. The backward
@@ -48,10 +50,11 @@ included. Dynamo, AOT autograd and Inductor see one call per op and run the eage
 so the compiled gradients are by construction the eager ones. Traced into the graph instead (as an
 `autograd.Function` whose quantisation and `torch._scaled_mm` calls Inductor compiled), the weight gradients came
 out zero on CUDA with torch 2.11. The cost: the quantisation no longer fuses with the ops around it. On CUDA the
-ops call a separately compiled quantiser (`op_quantize`: an amax reduction and one scale-and-cast pass per operand,
-forward-only, so no graph that autograd differentiates ever contains FP8 code); eagerly it would be several passes,
-half of them in float32. One more op, forward only, `dflash_fp8::scaled_mm`, is the bare GEMM, for callers whose
-quantisation stays traced (the loss's FP8 LM head, `model/fp8_head.py`).
+ops call separately compiled quantisers (`op_quantize_per_row`, `op_quantize_both_layouts`: an amax reduction and
+one scale-and-cast pass per operand and layout, forward-only, so no graph that autograd differentiates ever
+contains FP8 code); eagerly it would be several passes, half of them in float32. One more op, forward only,
+`dflash_fp8::scaled_mm`, is the bare GEMM, for callers whose quantisation stays traced (the loss's FP8 LM head,
+`model/fp8_head.py`).
 """
 
 from __future__ import annotations
@@ -80,17 +83,31 @@ def quantize(values: Tensor, dtype: torch.dtype = E4M3, *, rowwise: bool = True)
     """`[M, K]` in any layout -> (`dtype` `[M, K]` contiguous, float32 scales `[M, 1]` (rowwise) or `[]`) with
     `values ~ quantised * scales`: each row's (or the tensor's) largest magnitude maps to the format's largest
     finite value, the rest rounds to nearest."""
-    largest = torch.finfo(dtype).max
     # The largest magnitude in one read (no |values| copy first); a maximum is exact in any dtype.
     amax = torch.linalg.vector_norm(values, ord=math.inf, dim=-1, keepdim=True) if rowwise else values.norm(math.inf)
     # An all-zero tensor or row would give scale 0 and 0/0; its quantised values are 0 whatever the (tiny) scale.
-    scale = amax.float().clamp(min=1e-12) / largest
+    scale = amax.float().clamp(min=1e-12) / torch.finfo(dtype).max
+    return cast(values, scale if rowwise else scale.view(1, 1), dtype), scale
+
+
+def cast(values: Tensor, scale: Tensor, dtype: torch.dtype) -> Tensor:
+    """`values` `[M, K]` / `scale` (`[M, 1]` or `[1, 1]`, float32), rounded to `dtype` -> `[M, K]` contiguous: the
+    second half of `quantize`, also for a second layout of the same values with the same scale."""
+    largest = torch.finfo(dtype).max
     # Half-precision values divided by a float32 scale with dimensions divide in float32 without a float32 copy of
     # the values first (a 0-dim scale would not promote them, hence [1, 1]); the same numbers as float(v) / s.
     source = values if values.dtype in (torch.bfloat16, torch.float16, torch.float32) else values.float()
-    scaled = torch.div(source, scale if rowwise else scale.view(1, 1))  # [M, K] float32
-    quantised = scaled.clamp_(-largest, largest).to(dtype)
-    return quantised.contiguous(), scale
+    scaled = torch.div(source, scale)  # [M, K] float32
+    return scaled.clamp_(-largest, largest).to(dtype).contiguous()
+
+
+def quantize_both_layouts(values: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor]:
+    """`[M, K]` -> (`dtype` `[M, K]`, float32 scale `[]`, `dtype` `[K, M']`): one tensorwise scale, and the values
+    in both layouts, the second transposed with zero columns up to M' (M rounded up to ALIGNMENT) for a GEMM that
+    contracts over M. Both are cast from `values` with the same arithmetic, so one is exactly the other's transpose;
+    compiled, the transposed cast is one tiled pass over `values` instead of a byte transpose of the first."""
+    quantised, scale = quantize(values, dtype, rowwise=False)
+    return quantised, scale, cast(pad_rows(values).t(), scale.view(1, 1), dtype)
 
 
 def scaled_matmul(
@@ -98,22 +115,12 @@ def scaled_matmul(
 ) -> Tensor:
     """`(a * a_scale) @ (b * b_scale)ᵀ` -> `[M, N]` in `out_dtype`, from FP8 `a` `[M, K]` and `b` `[N, K]`, both
     row-major, with scales `[M, 1]` / `[N, 1]` or one each. (`b`'s transpose is the column-major operand
-    `torch._scaled_mm` wants.) Row-wise scaling on CUDA gives bf16 only: other dtypes are cast from it."""
-    mm_dtype = torch.bfloat16 if a.is_cuda else out_dtype
+    `torch._scaled_mm` wants.) Row-wise scaling on CUDA gives bf16 only: other dtypes are cast from it; one scale
+    each writes any of bf16, float16 and float32 directly."""
+    mm_dtype = torch.bfloat16 if a.is_cuda and a_scale.dim() else out_dtype
     b_scale = b_scale.t().contiguous() if b_scale.dim() else b_scale  # [1, N]
     out = torch._scaled_mm(a, b.t(), scale_a=a_scale, scale_b=b_scale, out_dtype=mm_dtype, use_fast_accum=fast_accum)
     return out.to(out_dtype)
-
-
-def transposed(values: Tensor) -> Tensor:
-    """`[M, C]` -> `[C, M']` contiguous, M' = M rounded up to ALIGNMENT with zero columns (FP8 tensors too): the
-    weight grad contracts over the M tokens, and zero tokens add nothing to it."""
-    rows = values.shape[0]
-    if rows % ALIGNMENT:  # never on the GPU (the data stage's buckets); a guard under dynamo
-        # Padded as bytes: a zero byte is +0 in both FP8 formats, and Inductor has no FP8 type promotion.
-        padding = (0, 0, 0, (-rows) % ALIGNMENT)
-        values = F.pad(values.view(torch.uint8), padding).view(values.dtype)
-    return values.t().contiguous()
 
 
 def pad_rows(values: Tensor) -> Tensor:
@@ -128,20 +135,29 @@ def pad_rows(values: Tensor) -> Tensor:
 # op aliases or mutates its inputs.
 
 
-def op_quantize(values: Tensor, dtype: torch.dtype, *, rowwise: bool) -> tuple[Tensor, Tensor]:
-    """`quantize` as the opaque ops run it: on CUDA compiled on its own (the amax reduction and one scale-and-cast
-    pass instead of several eager passes, half of them in float32), on the CPU eagerly (Inductor's CPU compile
-    costs seconds per shape class and the CPU path is for tests). Called at run time inside an op, so the compiled
-    quantiser is a forward-only graph of its own, never part of a graph that autograd differentiates.
+def op_quantize_per_row(values: Tensor) -> tuple[Tensor, Tensor]:
+    """`quantize(values, E4M3, rowwise=True)` as the rowwise ops run it: on CUDA compiled on its own (the amax
+    reduction and one scale-and-cast pass instead of several eager passes, half of them in float32), on the CPU
+    eagerly (Inductor's CPU compile costs seconds per shape class and the CPU path is for tests). Called at run time
+    inside an op, so a compiled quantiser is a forward-only graph of its own, never part of a graph that autograd
+    differentiates.
 
-    One compiled function per kind of quantisation (format x scaling), each its own code object: dynamo keeps its
-    graphs per code object and falls back to eager for good once one has 8 (its recompile limit). One `quantize`
-    compiled for every kind reached that limit within the first 27B step (kinds x input dtypes x layouts x
-    `nn.Parameter` or plain tensor), and every later kind ran eagerly. Detached, a weight comes in as a plain tensor
-    (the same graph as the activations' in its dtype); what is left per function is input dtype and layout."""
+    One compiled function per kind of quantisation (format x scaling x layouts), each its own code object: dynamo
+    keeps its graphs per code object and falls back to eager for good once one has 8 (its recompile limit). One
+    `quantize` compiled for every kind reached that limit within the first 27B step (kinds x input dtypes x layouts
+    x `nn.Parameter` or plain tensor), and every later kind ran eagerly. Detached, a weight comes in as a plain
+    tensor (the same graph as the activations' in its dtype); what is left per function is input dtype and layout."""
     if compiled_quantisers_on(values.device):
-        return _compiled_quantiser(dtype, rowwise)(values.detach())
-    return quantize(values, dtype, rowwise=rowwise)
+        return _compiled_per_row()(values.detach())
+    return quantize(values, E4M3, rowwise=True)
+
+
+def op_quantize_both_layouts(values: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor]:
+    """`quantize_both_layouts` as the tensorwise ops run it: compiled on CUDA, one function per format
+    (`op_quantize_per_row`), eagerly on the CPU."""
+    if compiled_quantisers_on(values.device):
+        return _compiled_both_layouts(dtype)(values.detach())
+    return quantize_both_layouts(values, dtype)
 
 
 def compiled_quantisers_on(device: torch.device) -> bool:
@@ -152,20 +168,25 @@ def _e4m3_per_row(values: Tensor) -> tuple[Tensor, Tensor]:
     return quantize(values, E4M3, rowwise=True)
 
 
-def _e4m3_per_tensor(values: Tensor) -> tuple[Tensor, Tensor]:
-    return quantize(values, E4M3, rowwise=False)
+def _e4m3_both_layouts(values: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    return quantize_both_layouts(values, E4M3)
 
 
-def _e5m2_per_tensor(values: Tensor) -> tuple[Tensor, Tensor]:
-    return quantize(values, E5M2, rowwise=False)
+def _e5m2_both_layouts(values: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    return quantize_both_layouts(values, E5M2)
 
 
-_QUANTISERS = {(E4M3, True): _e4m3_per_row, (E4M3, False): _e4m3_per_tensor, (E5M2, False): _e5m2_per_tensor}
+_BOTH_LAYOUTS = {E4M3: _e4m3_both_layouts, E5M2: _e5m2_both_layouts}
 
 
 @cache
-def _compiled_quantiser(dtype: torch.dtype, rowwise: bool) -> Callable[[Tensor], tuple[Tensor, Tensor]]:
-    return compile_dynamic(_QUANTISERS[dtype, rowwise])
+def _compiled_per_row() -> Callable[[Tensor], tuple[Tensor, Tensor]]:
+    return compile_dynamic(_e4m3_per_row)
+
+
+@cache
+def _compiled_both_layouts(dtype: torch.dtype) -> Callable[[Tensor], tuple[Tensor, Tensor, Tensor]]:
+    return compile_dynamic(_BOTH_LAYOUTS[dtype])
 
 
 def _scale_shape(count: int, rowwise: bool) -> tuple[int, ...]:
@@ -176,23 +197,35 @@ def _scale_shape(count: int, rowwise: bool) -> tuple[int, ...]:
 def _matmul(
     rows: Tensor, weight: Tensor, rowwise: bool, out_dtype: torch.dtype
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """`rows [M, K] @ weight [N, K]ᵀ` in FP8 -> (out `[M, N]` in `out_dtype`; x_q `[M, K]`, x_scale `[M, 1]` | `[]`,
-    w_q `[N, K]`, w_scale `[N, 1]` | `[]`: the e4m3 operands, which the tensorwise backward reuses)."""
+    """`rows [M, K] @ weight [N, K]ᵀ` in FP8 -> (out `[M, N]` in `out_dtype`; then what the backward reuses:
+    tensorwise, the e4m3 operands in the layouts the backward GEMMs contract them in, xᵀ_q `[K, M']` (M' = M rounded
+    up to ALIGNMENT), x_scale `[]`, Wᵀ_q `[K, N]`, w_scale `[]`; rowwise, x_q `[M, K]`, `[M, 1]`, w_q `[N, K]`,
+    `[N, 1]`, which its backward does not use: it quantises x and W again along the other axis)."""
     with torch.autocast(rows.device.type, enabled=False):  # the dtypes here are chosen explicitly
-        x_q, x_scale = op_quantize(rows, E4M3, rowwise=rowwise)  # [M, K], [M, 1] | []
-        w_q, w_scale = op_quantize(weight, E4M3, rowwise=rowwise)  # [N, K], [N, 1] | []
+        if rowwise:
+            x_q, x_scale = op_quantize_per_row(rows)  # [M, K], [M, 1]
+            w_q, w_scale = op_quantize_per_row(weight)  # [N, K], [N, 1]
+            kept = x_q, w_q
+        else:
+            x_q, x_scale, xt_q = op_quantize_both_layouts(rows, E4M3)  # [M, K], [], [K, M']
+            w_q, w_scale, wt_q = op_quantize_both_layouts(weight, E4M3)  # [N, K], [], [K, N]
+            kept = xt_q, wt_q
         out = scaled_matmul(x_q, x_scale, w_q, w_scale, out_dtype, fast_accum=True)  # [M, N]
-    return out, x_q, x_scale, w_q, w_scale
+    return out, kept[0], x_scale, kept[1], w_scale
 
 
 @_matmul.register_fake
 def _matmul_fake(rows: Tensor, weight: Tensor, rowwise: bool, out_dtype: torch.dtype):
     (tokens, features), outputs = rows.shape, weight.shape[0]
+    if rowwise:
+        x_shape, w_shape = (tokens, features), (outputs, features)
+    else:
+        x_shape, w_shape = (features, (tokens + ALIGNMENT - 1) // ALIGNMENT * ALIGNMENT), (features, outputs)
     return (
         rows.new_empty((tokens, outputs), dtype=out_dtype),
-        rows.new_empty((tokens, features), dtype=E4M3),
+        rows.new_empty(x_shape, dtype=E4M3),
         rows.new_empty(_scale_shape(tokens, rowwise), dtype=torch.float32),
-        rows.new_empty((outputs, features), dtype=E4M3),
+        rows.new_empty(w_shape, dtype=E4M3),
         rows.new_empty(_scale_shape(outputs, rowwise), dtype=torch.float32),
     )
 
@@ -200,26 +233,28 @@ def _matmul_fake(rows: Tensor, weight: Tensor, rowwise: bool, out_dtype: torch.d
 @torch.library.custom_op("dflash_fp8::tensorwise_backward", mutates_args=())
 def _tensorwise_backward(
     grad_out: Tensor,
-    x_q: Tensor,
+    xt_q: Tensor,
     x_scale: Tensor,
-    w_q: Tensor,
+    wt_q: Tensor,
     w_scale: Tensor,
     rows_dtype: torch.dtype,
     weight_dtype: torch.dtype,
 ) -> tuple[Tensor, Tensor]:
-    """dy `[M, N]` and the forward's e4m3 x_q `[M, K]`, w_q `[N, K]` with their scales -> (dx `[M, K]` in
-    `rows_dtype`, dW `[N, K]` in `weight_dtype`); the GEMMs write dy's dtype (the forward's output dtype)."""
-    out_dtype = grad_out.dtype
+    """dy `[M, N]` and the forward's e4m3 xᵀ_q `[K, M']`, Wᵀ_q `[K, N]` with their scales -> (dx `[M, K]` in
+    `rows_dtype`, dW `[N, K]` in `weight_dtype`), each written in its dtype by its GEMM (one scale each: no cast)."""
     with torch.autocast(grad_out.device.type, enabled=False):
-        g_q, g_scale = op_quantize(grad_out, E5M2, rowwise=False)  # [M, N]
-        grad_rows = scaled_matmul(g_q, g_scale, transposed(w_q), w_scale, out_dtype)  # [M, K]
-        grad_weight = scaled_matmul(transposed(g_q), g_scale, transposed(x_q), x_scale, out_dtype)  # [N, K]
-    return grad_rows.to(rows_dtype), grad_weight.to(weight_dtype)
+        g_q, g_scale, gt_q = op_quantize_both_layouts(grad_out, E5M2)  # [M, N], [], [N, M']
+        grad_rows = scaled_matmul(g_q, g_scale, wt_q, w_scale, rows_dtype)  # [M, K], contracts N
+        grad_weight = scaled_matmul(gt_q, g_scale, xt_q, x_scale, weight_dtype)  # [N, K], contracts M'
+    return grad_rows, grad_weight
 
 
 @_tensorwise_backward.register_fake
-def _tensorwise_backward_fake(grad_out, x_q, x_scale, w_q, w_scale, rows_dtype, weight_dtype):
-    return x_q.new_empty(x_q.shape, dtype=rows_dtype), w_q.new_empty(w_q.shape, dtype=weight_dtype)
+def _tensorwise_backward_fake(grad_out, xt_q, x_scale, wt_q, w_scale, rows_dtype, weight_dtype):
+    (tokens, outputs), features = grad_out.shape, xt_q.shape[0]
+    return grad_out.new_empty((tokens, features), dtype=rows_dtype), grad_out.new_empty(
+        (outputs, features), dtype=weight_dtype
+    )
 
 
 @torch.library.custom_op("dflash_fp8::rowwise_backward", mutates_args=())
@@ -228,11 +263,11 @@ def _rowwise_backward(grad_out: Tensor, rows: Tensor, weight: Tensor) -> tuple[T
     again, along the axis each GEMM keeps; the GEMMs write dy's dtype (the forward's output dtype)."""
     out_dtype = grad_out.dtype
     with torch.autocast(grad_out.device.type, enabled=False):
-        g_q, g_scale = op_quantize(grad_out, E4M3, rowwise=True)  # [M, N], per token
-        wt_q, wt_scale = op_quantize(weight.t(), E4M3, rowwise=True)  # [K, N], per input feature
+        g_q, g_scale = op_quantize_per_row(grad_out)  # [M, N], per token
+        wt_q, wt_scale = op_quantize_per_row(weight.t())  # [K, N], per input feature
         grad_rows = scaled_matmul(g_q, g_scale, wt_q, wt_scale, out_dtype, fast_accum=True)  # [M, K]
-        gt_q, gt_scale = op_quantize(pad_rows(grad_out).t(), E4M3, rowwise=True)  # [N, M'], per output
-        xt_q, xt_scale = op_quantize(pad_rows(rows).t(), E4M3, rowwise=True)  # [K, M'], per input
+        gt_q, gt_scale = op_quantize_per_row(pad_rows(grad_out).t())  # [N, M'], per output
+        xt_q, xt_scale = op_quantize_per_row(pad_rows(rows).t())  # [K, M'], per input
         grad_weight = scaled_matmul(gt_q, gt_scale, xt_q, xt_scale, out_dtype, fast_accum=True)  # [N, K]
     return grad_rows.to(rows.dtype), grad_weight.to(weight.dtype)
 
@@ -249,7 +284,7 @@ def _matmul_setup_context(ctx, inputs, output) -> None:
     ctx.set_materialize_grads(False)  # no zero gradients for the four outputs above
     if rowwise:  # quantised again along the other axis in the backward
         ctx.save_for_backward(rows, weight)
-    else:  # the FP8 copies serve the backward as they are
+    else:  # the FP8 copies, already in the backward's layouts, serve it as they are
         ctx.save_for_backward(x_q, x_scale, w_q, w_scale)
     ctx.rowwise, ctx.rows_dtype, ctx.weight_dtype = rowwise, rows.dtype, weight.dtype
 
