@@ -27,13 +27,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from flex_mask_bench import median_ms  # benchmarks/ is on sys.path when run as a script
 
 from dflash_trainer.model import fp8
 from dflash_trainer.shapes import QWEN3_8B, QWEN36_27B
@@ -70,20 +70,6 @@ SETTINGS = {
     "paper": (QWEN3_8B, 22016, 8192, 5),
     "27b": (QWEN36_27B, 32768, 5920, 5),
 }
-
-
-def median_ms(fn, warmup: int, repeats: int) -> float:
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
 
 
 def training_pass(linear: Linear, kind: str, device: torch.device):
