@@ -25,6 +25,13 @@
 #                                                the default static layout and in the layers' one, with clocks)
 #   bash benchmarks/gpu_session.sh wait S                    report every minute for up to S seconds
 #   bash benchmarks/gpu_session.sh collect                   pack logs and results (no weights) into $OUT
+#                                                (KEEP_ANSWERS=1: the main job's answers too, `data/*-chat`'s
+#                                                regen-00000.jsonl and regen.json as tar.xz in 15 MiB parts
+#                                                $OUT/answers.partNN, for a later machine)
+#   bash benchmarks/gpu_session.sh answers   [.answers]      between `start` and `main`: those parts, copied into
+#                                                `.answers/`, into both trees: the jobs then skip regeneration
+#                                                (same prompts and settings: the regenerator reads regen.json and
+#                                                takes a complete run as done), so experiments compare on one data
 #   bash benchmarks/gpu_session.sh smoke                      the training path's GPU tests (drafter masks and
 #                                                tiles, loss, fit loop, the target's packed rows and compiled layers;
 #                                                ~2 min): after a hot-path change, before the 20-minute jobs
@@ -37,7 +44,7 @@
 # 48,000 of `mix-math:train`) from `.mix/mix-math-48k.jsonl.gz`, written here by
 #   python -m dflash_trainer.data.prompts mix-math --export .mix/mix-math-48k.jsonl.gz --limit 48000
 set -u
-STAGE=${1:?usage: gpu_session.sh start|smoke|bench|main|wait S|collect|disagg|hybrid}
+STAGE=${1:?usage: gpu_session.sh start|answers|smoke|bench|main|wait S|collect|disagg|hybrid}
 REPO=/tmp/repo             # a copy of the tree: the main job's runs/ and data/ live here, as for a user
 REPO2=/tmp/repo2           # the candidate's copy
 # The prompts: the first 48,000 of `mix-math`; or its first 96,000 (`PROMPTS=/tmp/mix-math-96k.jsonl.gz`, copy `.mix96`
@@ -209,9 +216,18 @@ case "$STAGE" in
       sleep "${POLL:-60}"
     done
     ;;
+  answers)
+    cat .answers/answers.part* > /tmp/answers.tar.xz
+    for repo in "$REPO" "$REPO2"; do python3 -m tarfile -e /tmp/answers.tar.xz "$repo"; done
+    ls -la "$REPO"/data/*-chat
+    ;;
   collect)
     OUT=${OUT:-/tmp/out}
     mkdir -p "$OUT"
+    if [ "${KEEP_ANSWERS:-0}" = 1 ]; then
+      (cd "$REPO" && python3 -m tarfile -c /tmp/answers-out.tar.xz data/*-chat/regen-00000.jsonl data/*-chat/regen.json)
+      split -b 15M -d /tmp/answers-out.tar.xz "$OUT/answers.part"
+    fi
     # Every job's log first, whatever state it ended in (a job that failed before training has no runs/).
     for job in main candidate sweep bench hybrid; do
       [ -f "$RES/$job.log" ] && tr '\r' '\n' < "$RES/$job.log" | grep -v '^\s*$' > "$OUT/$job.log"
