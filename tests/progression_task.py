@@ -55,22 +55,23 @@ def held_out_tau(drafter: DFlashDrafter, target_model, docs: list[list[int]]) ->
     drafter.eval()
     capture = FeatureCapture(target_model, drafter.config.target_layer_ids)
     embed, head = embedding_module(target_model), lm_head_module(target_model)
+    block_size = drafter.config.block_size  # BLOCK in the tests; benchmarks/dflash2_selector_sweep.py also 8
     reached, allowed = [], []
     for doc in docs:
         ids = torch.tensor([doc])
         features = capture.capture(ids).features  # [1, L, K*H]; causal, so position p only saw tokens <= p
         for anchor in range(PROMPT, len(doc) - 1):
-            block = torch.full((1, BLOCK), drafter.config.mask_token_id)
+            block = torch.full((1, block_size), drafter.config.mask_token_id)
             block[0, 0] = ids[0, anchor]
             hidden = drafter(
                 features=features[:, :anchor],
                 block_embeds=embed(block),
                 ctx_positions=torch.arange(anchor)[None],
-                block_positions=torch.arange(anchor, anchor + BLOCK)[None],
+                block_positions=torch.arange(anchor, anchor + block_size)[None],
                 masks=None,
             )
             drafts = drafter.draft_tokens(hidden[:, 1:], head(hidden[:, 1:]), ids[:, anchor])[0].tolist()  # [B-1]
-            slots = min(BLOCK - 1, len(doc) - 1 - anchor)
+            slots = min(block_size - 1, len(doc) - 1 - anchor)
             accepted = 0
             while accepted < slots and drafts[accepted] == doc[anchor + 1 + accepted]:
                 accepted += 1
