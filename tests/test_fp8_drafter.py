@@ -191,15 +191,15 @@ def test_the_fp8_ops_pass_torch_opcheck():
     grad_out = torch.randn(48, 32, generator=gen).bfloat16()
     for rowwise in (False, True):
         forward = (x, weight, rowwise, torch.bfloat16)
-        opcheck(torch.ops.dflash_fp8.matmul.default, forward, test_utils=("test_schema", *OPCHECK_TRACING))
-    _, x_q, x_scale, w_q, w_scale = torch.ops.dflash_fp8.matmul(x.detach(), weight.detach(), False, torch.bfloat16)
+        opcheck(torch.ops.dflash_fp8.linear.default, forward, test_utils=("test_schema", *OPCHECK_TRACING))
+    _, x_q, x_scale, w_q, w_scale = torch.ops.dflash_fp8.linear(x.detach(), weight.detach(), False, torch.bfloat16)
     fp8_inputs = [t.view(torch.uint8).clone() for t in (x_q, w_q)]
     tensorwise = (grad_out, x_q, x_scale, w_q, w_scale, torch.float32, torch.float32)
     tracing_and_replay = (*OPCHECK_TRACING, "test_aot_dispatch_dynamic")
-    opcheck(torch.ops.dflash_fp8.tensorwise_backward.default, tensorwise, test_utils=tracing_and_replay)
+    opcheck(torch.ops.dflash_fp8.tensorwise_linear_backward.default, tensorwise, test_utils=tracing_and_replay)
     assert all(torch.equal(t.view(torch.uint8), before) for t, before in zip((x_q, w_q), fp8_inputs, strict=True))
     rowwise = (grad_out, x.detach(), weight.detach())
-    opcheck(torch.ops.dflash_fp8.rowwise_backward.default, rowwise)  # every check, AOT autograd replay included
+    opcheck(torch.ops.dflash_fp8.rowwise_linear_backward.default, rowwise)  # every check, AOT autograd replay included
 
 
 OPCHECK_TRACING = ("test_faketensor", "test_autograd_registration")
@@ -248,8 +248,8 @@ def test_compiled_graphs_call_the_fp8_ops_and_compute_what_eager_does(scaling):
     torch._dynamo.reset()
     assert len(targets) == 2, targets  # one forward and one backward graph serve both shapes
     forward, backward = targets
-    assert forward.count("dflash_fp8.matmul.default") == 3
-    assert backward.count(f"dflash_fp8.{scaling}_backward.default") == 3
+    assert forward.count("dflash_fp8.linear.default") == 3
+    assert backward.count(f"dflash_fp8.{scaling}_linear_backward.default") == 3
     assert not any("scaled_mm" in target for target in forward + backward)
     for eager, actual in zip(_stacked_grads(_stacked_linears, scaling), compiled_grads, strict=True):
         for expected, grad in zip(eager, actual, strict=True):

@@ -42,9 +42,9 @@ grad contracts over tokens, so the token count is padded to a multiple of 16 the
 when it is not one already; the data stage's buckets make it one on the GPU. In eval mode the layers compute
 exactly (`F.linear`): evaluation and export see the float32 weights, as a server will.
 
-Under torch.compile the FP8 GEMMs are opaque: the forward (`dflash_fp8::matmul`, which returns the output and the
-e4m3 operands with their scales) and each scaling's backward (`dflash_fp8::tensorwise_backward`,
-`dflash_fp8::rowwise_backward`, both gradients at once) are custom ops, tied together by
+Under torch.compile the FP8 GEMMs are opaque: the forward (`dflash_fp8::linear`, which returns the output and the
+e4m3 operands with their scales) and each scaling's backward (`dflash_fp8::tensorwise_linear_backward`,
+`dflash_fp8::rowwise_linear_backward`, both gradients at once) are custom ops, tied together by
 `torch.library.register_autograd`; each has a fake that gives its outputs' shapes and dtypes, symbolic sizes
 included. Dynamo, AOT autograd and Inductor see one call per op and run the eager code inside the compiled graph,
 so the compiled gradients are by construction the eager ones. Traced into the graph instead (as an
@@ -54,7 +54,9 @@ ops call separately compiled quantisers (`op_quantize_per_row`, `op_quantize_bot
 one scale-and-cast pass per operand and layout, forward-only, so no graph that autograd differentiates ever
 contains FP8 code); eagerly it would be several passes, half of them in float32. One more op, forward only,
 `dflash_fp8::scaled_mm`, is the bare GEMM, for callers whose quantisation stays traced (the loss's FP8 LM head,
-`model/fp8_head.py`).
+`model/fp8_head.py`). Inductor's on-disk graph cache keys a graph by the ops it calls, not by their fakes: an op
+whose outputs change shape or meaning gets a new name (as when the tensorwise forward began to return the backward's
+layouts), or a cache left by the old code would run with the new kernels' outputs misread.
 """
 
 from __future__ import annotations
@@ -193,7 +195,7 @@ def _scale_shape(count: int, rowwise: bool) -> tuple[int, ...]:
     return (count, 1) if rowwise else ()
 
 
-@torch.library.custom_op("dflash_fp8::matmul", mutates_args=())
+@torch.library.custom_op("dflash_fp8::linear", mutates_args=())
 def _matmul(
     rows: Tensor, weight: Tensor, rowwise: bool, out_dtype: torch.dtype
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
@@ -230,7 +232,7 @@ def _matmul_fake(rows: Tensor, weight: Tensor, rowwise: bool, out_dtype: torch.d
     )
 
 
-@torch.library.custom_op("dflash_fp8::tensorwise_backward", mutates_args=())
+@torch.library.custom_op("dflash_fp8::tensorwise_linear_backward", mutates_args=())
 def _tensorwise_backward(
     grad_out: Tensor,
     xt_q: Tensor,
@@ -257,7 +259,7 @@ def _tensorwise_backward_fake(grad_out, xt_q, x_scale, wt_q, w_scale, rows_dtype
     )
 
 
-@torch.library.custom_op("dflash_fp8::rowwise_backward", mutates_args=())
+@torch.library.custom_op("dflash_fp8::rowwise_linear_backward", mutates_args=())
 def _rowwise_backward(grad_out: Tensor, rows: Tensor, weight: Tensor) -> tuple[Tensor, Tensor]:
     """dy `[M, N]`, x `[M, K]`, W `[N, K]` -> (dx `[M, K]` in x's dtype, dW `[N, K]` in W's); x and W are quantised
     again, along the axis each GEMM keeps; the GEMMs write dy's dtype (the forward's output dtype)."""
