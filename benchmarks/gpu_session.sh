@@ -11,6 +11,8 @@
 #   bash benchmarks/gpu_session.sh start     [.gguf1 .whl]   wheels, GGUF part 1, two copies of the tree
 #   CANDIDATE="k=v ..." bash benchmarks/gpu_session.sh main  [.gguf2 .mix]  GGUF part 2, the two jobs
 #   (MAIN_OVERRIDES="k=v ..." changes the GPU 0 job too, e.g. to try a recipe change there while GPU 1 sweeps)
+#   (RECIPE=NAME: GPU 0 trains that recipe instead of the default, e.g. RECIPE=smollm2-135m-gpu-general with
+#   PROMPTS=/tmp/mix-general-80k.jsonl.gz, the recipe's prompts exported into `.mixg`, carried instead of `.mix`)
 #   (or SWEEP=1: benchmarks/quality_sweep.sh on GPU 1, one run at a time, on the main job's data; with
 #   BENCH_FIRST=smollm2 (or paper,smollm2) GPU 1 first runs the speed benchmarks of `bench_on` below:
 #   benchmarks/train_bench.sh with the kernel profile and the latest ablations (BENCH_ABLATIONS=new; 0: none,
@@ -148,7 +150,7 @@ case "$STAGE" in
     fi
     # The main job: the README's GPU command, with the exported prompts instead of the (absent) data packages.
     bg main "$first cd $REPO && export CUDA_VISIBLE_DEVICES=0 OMP_NUM_THREADS=8 PYTHONPATH=$REPO/src:$SITE && \
-      date +%s > $RES/main.start && python3 -m dflash_trainer train prepare.source=$PROMPTS ${MAIN_OVERRIDES:-}; \
+      date +%s > $RES/main.start && python3 -m dflash_trainer train ${RECIPE:-} prepare.source=$PROMPTS ${MAIN_OVERRIDES:-}; \
       date +%s > $RES/main.end"
     if [ "$GPUS" -gt 1 ] && [ -n "${CANDIDATE:-}" ]; then
       echo "$CANDIDATE" > "$RES/candidate.overrides"
