@@ -16,7 +16,8 @@ the drafter trains:
   (their quantisers compiled on their own);
 - the tensorwise path's pieces: the three GEMMs alone (`torch._scaled_mm` on ready FP8 operands: the forward with
   fast accumulation, the backward ones without, as `fp8.py` runs them, and with), quantising dy in both layouts
-  (compiled: `quantize_both_layouts`), and what it replaced (one layout, then a byte transpose of the FP8 copy).
+  (`op_quantize_both_layouts`: PyTorch's amax, then the compiled casts) and its amax alone, and what it replaced
+  (one layout, then a byte transpose of the FP8 copy).
 FLOPs: 6 M K N per linear (2 M K N per GEMM). The sum over the layer is scaled to the drafter's layers and printed
 beside the training step's backward + forward stages, so a gap between the two is work outside the linears.
 `--kernels N` prints the N kernels with the most device time in one tensorwise forward + backward of the largest
@@ -113,7 +114,8 @@ def pieces(linear: Linear, device: torch.device, warmup: int, repeats: int) -> d
             gt_q, g_scale, xt_q, x_scale, f32, fast_accum=True
         ),
         "bf16 gemm forward": lambda: x @ weight.to(bf16).t(),
-        "quantise dy, both layouts (compiled)": lambda: fp8.op_quantize_both_layouts(grad, fp8.E5M2),
+        "quantise dy, both layouts": lambda: fp8.op_quantize_both_layouts(grad, fp8.E5M2),
+        "amax of dy (PyTorch's reduction)": lambda: fp8.tensor_amax(grad),
         "quantise dy, one layout (compiled)": lambda: one_layout(grad),
         "byte transpose of the FP8 dy": lambda: g_q.t().contiguous(),
         "quantise the weight, both layouts": lambda: fp8.op_quantize_both_layouts(weight, fp8.E4M3),
