@@ -24,8 +24,9 @@ numbers (64 layers, 3:1 pattern, 24 Q / 4 KV heads, head dim 256, MLP 17408, hid
 tap on a target's last layer, hence one layer beyond the tap).
 
 Phases (each child):
-- `forward`: `FeatureCapture.capture` of one packed 8192-token row of documents 3072 + 3072 + 2048 (the per-document
-  path: every document a row of its own, stopping after layer 61), median of timed calls: target tokens/s;
+- `forward`: `FeatureCapture.capture` of one packed 8192-token row of documents 3072 + 3072 + 2048, stopping after
+  layer 61, median of timed calls: target tokens/s, on the path the target takes (with fla on CUDA the one-forward
+  path, `targets/varlen_hybrid.py`) and on the per-document path (every document a row of its own);
 - `train`: the trainer's end-to-end step in the paper setting (`recipes/bench-qwen3-8b.yaml`: drafter 5 layers, block
   16, 455 anchors per document; `--documents real`: rows of about 33 documents shaped like the GPU recipe's data
   instead, whose per-document groups take many sizes, and fla's gate cumsum compiles once per size: see
@@ -231,37 +232,42 @@ def run_child(
 
 
 def forward_phase(target, *, iters: int) -> dict:
+    """The capture on the path the target takes on this device and, when that is the one-forward path
+    (`targets/varlen_hybrid.py`), on the per-document path too, over the same row."""
     import torch
 
     from dflash_trainer.targets.capture import FeatureCapture
     from dflash_trainer.targets.documents import DocumentLayout
 
     device = target.device
-    capture = FeatureCapture(target.model, TAPS)
     doc_ids = torch.cat([torch.full((n,), d) for d, n in enumerate(DOCUMENTS)])[None]  # [1, T]
     layout = DocumentLayout.from_doc_ids(doc_ids, device)
     ids = torch.randint(0, QWEN36_27B["vocab_size"] - 4096, doc_ids.shape, device=device)
-    capture.capture(ids, documents=layout)  # warm-up (Triton autotuning, cuBLAS)
-    torch.cuda.reset_peak_memory_stats(device)
-    times = []
-    for _ in range(iters):
-        torch.cuda.synchronize(device)
-        start = time.perf_counter()
-        capture.capture(ids, documents=layout)
-        torch.cuda.synchronize(device)
-        times.append(time.perf_counter() - start)
-    median = statistics.median(times)
     tokens = int(doc_ids.numel())
-    peak = torch.cuda.max_memory_allocated(device) / 2**30
-    return {
-        "path": capture.packing_path,
-        "tokens": tokens,
-        "ms": median * 1e3,
-        "tokens_per_s": tokens / median,
-        "peak_gib": peak,
-        "summary": f"{capture.packing_path} path, {tokens} tokens: {median * 1e3:.0f} ms, {tokens / median:,.0f} "
-        f"target tok/s (peak {peak:.1f} GiB)",
-    }
+    capture = FeatureCapture(target.model, TAPS)
+    paths = [capture.packing_path] + (["per_document"] if capture.packing_path != "per_document" else [])
+    result: dict = {"path": capture.packing_path, "tokens": tokens, "paths": {}}
+    for path in paths:
+        capture.packing_path = path
+        capture.capture(ids, documents=layout)  # warm-up (Triton autotuning, cuBLAS)
+        torch.cuda.reset_peak_memory_stats(device)
+        times = []
+        for _ in range(iters):
+            torch.cuda.synchronize(device)
+            start = time.perf_counter()
+            capture.capture(ids, documents=layout)
+            torch.cuda.synchronize(device)
+            times.append(time.perf_counter() - start)
+        median = statistics.median(times)
+        peak = torch.cuda.max_memory_allocated(device) / 2**30
+        result["paths"][path] = {"ms": median * 1e3, "tokens_per_s": tokens / median, "peak_gib": peak}
+    first = result["paths"][paths[0]]
+    result.update(ms=first["ms"], tokens_per_s=first["tokens_per_s"], peak_gib=first["peak_gib"])
+    result["summary"] = f"{tokens} tokens: " + "; ".join(
+        f"{path} path {r['ms']:.0f} ms, {r['tokens_per_s']:,.0f} target tok/s (peak {r['peak_gib']:.1f} GiB)"
+        for path, r in result["paths"].items()
+    )
+    return result
 
 
 def train_phase(target, *, steps: int, compile_drafter: bool, documents: str) -> dict:

@@ -2,7 +2,8 @@
 
 - varlen flash and compiled flex attention give the features dense SDPA gives, in bf16, on a tiny and a mid-size
   random model (with a sliding-window variant), rows with padding and with many documents;
-- the per-document path of a hybrid equals running each document alone on the GPU kernels;
+- both paths of a hybrid (one forward with fla's variable-length kernels; per-document rows) equal running each
+  document alone on the GPU kernels;
 - `Fp8Linear` on the GPU kernel equals the float64 product of its quantised operands, and FP8 features stay within
   the error measured for the same model on CPU.
 """
@@ -16,6 +17,8 @@ import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM
 from transformers.models.qwen3_5 import Qwen3_5ForCausalLM, Qwen3_5TextConfig
 
+from dflash_trainer.decoding.hybrid_kernels import fla_available
+from dflash_trainer.targets import capture as capture_module
 from dflash_trainer.targets.attention import varlen_supported
 from dflash_trainer.targets.capture import FeatureCapture
 from dflash_trainer.targets.fp8 import Fp8Linear, quantize_decoder_linears, quantize_rowwise
@@ -153,7 +156,14 @@ def test_gpu_compiled_target_layers_give_the_eager_features_without_recompiling(
     )
 
 
-def test_gpu_hybrid_packed_rows_equal_each_document_alone():
+@pytest.mark.parametrize("path", ["varlen_hybrid", "per_document"])
+def test_gpu_hybrid_packed_rows_equal_each_document_alone(path, monkeypatch):
+    """Both paths of a hybrid on fla's kernels: one forward with the sequences' boundaries (where fla runs), and the
+    per-document rows."""
+    if path == "per_document":
+        monkeypatch.setattr(capture_module, "varlen_hybrid_supported", lambda model, device: False)
+    elif not fla_available():
+        pytest.skip("the one-forward path needs flash-linear-attention")
     config = Qwen3_5TextConfig(
         vocab_size=VOCAB,
         hidden_size=256,
@@ -173,7 +183,7 @@ def test_gpu_hybrid_packed_rows_equal_each_document_alone():
     with torch.device(DEVICE):
         model = Qwen3_5ForCausalLM(config).to(torch.bfloat16).eval()
     capture = FeatureCapture(model, [0, 2, 3], need_final_hidden=True)
-    assert capture.packing_path == "per_document"
+    assert capture.packing_path == path
     input_ids, doc_ids = packed_rows([[70, 130, 50], [3, 200, 17, 9]], 256)
 
     packed = capture.capture(input_ids, None, doc_ids)
@@ -183,6 +193,7 @@ def test_gpu_hybrid_packed_rows_equal_each_document_alone():
         for n in row:
             alone = capture.capture(input_ids[r : r + 1, start : start + n])
             assert relative_error(packed.features[r, start : start + n], alone.features[0]) < 1e-2
+            assert relative_error(packed.final_hidden[r, start : start + n], alone.final_hidden[0]) < 1e-2
             start += n
 
 

@@ -71,7 +71,7 @@ from torch import Tensor, nn
 # The module-level names transformers' Gated DeltaNet layers call their convolution kernels by.
 CONV_KERNELS = ("causal_conv1d_fn", "causal_conv1d_update")
 # Activations fla's convolution applies (others would be silently skipped: the reference runs then).
-_FLA_ACTIVATIONS = (None, "silu", "swish")
+FLA_CONV_ACTIVATIONS = (None, "silu", "swish")
 # The fused recurrent kernel's parameters `advance` passes (fla-core 0.5.2); another signature: no `advance`.
 _RECURRENT_KERNEL_ARGS = (
     {"q", "k", "v", "g", "gk", "gv", "beta", "A_log", "dt_bias", "o", "h0", "ht", "cu_seqlens"}
@@ -110,12 +110,28 @@ TRANSFORMERS = HybridKernels("transformers")
 
 
 def fla_conv(
-    x: Tensor, weight: Tensor, bias: Tensor | None = None, activation: str | None = None, **_: object
+    x: Tensor,
+    weight: Tensor,
+    bias: Tensor | None = None,
+    activation: str | None = None,
+    cu_seq_lens_q: Tensor | None = None,
+    cu_seqlens_cpu: Tensor | None = None,
+    **_: object,
 ) -> Tensor:
-    """`causal_conv1d_fn`: `x` [k, C, L] -> [k, C, L], the causal convolution with zeros before position 0."""
+    """`causal_conv1d_fn`: `x` [k, C, L] -> [k, C, L], the causal convolution with zeros before position 0, and
+    before every sequence's first token when one row's sequence boundaries come with the layer's keyword arguments
+    (`cu_seq_lens_q` [S+1] on the device, `cu_seqlens_cpu` on the host: `targets/varlen_hybrid.py`)."""
     from fla.modules.convolution import causal_conv1d
 
-    y, _ = causal_conv1d(x.transpose(1, 2), weight=weight, bias=bias, activation=activation, backend="triton")
+    y, _ = causal_conv1d(
+        x.transpose(1, 2),
+        weight=weight,
+        bias=bias,
+        activation=activation,
+        backend="triton",
+        cu_seqlens=cu_seq_lens_q,
+        cu_seqlens_cpu=cu_seqlens_cpu,
+    )
     return y.transpose(1, 2)  # [k, C, L] view of the [k, L, C] output
 
 
@@ -284,7 +300,7 @@ def _conv_fn(fast: Callable[..., Tensor], reference: Callable[..., Tensor]) -> C
     def causal_conv1d_fn(
         x: Tensor, weight: Tensor, bias: Tensor | None = None, activation: str | None = None, **kwargs: object
     ) -> Tensor:
-        kernel = fast if activation in _FLA_ACTIVATIONS else reference
+        kernel = fast if activation in FLA_CONV_ACTIVATIONS else reference
         return kernel(x, weight, bias, activation=activation, **kwargs)
 
     return causal_conv1d_fn
@@ -294,7 +310,7 @@ def _conv_update(fast: Callable[..., Tensor], reference: Callable[..., Tensor]) 
     def causal_conv1d_update(
         x: Tensor, conv_state: Tensor, weight: Tensor, bias: Tensor | None = None, activation: str | None = None
     ) -> Tensor:
-        kernel = fast if activation in _FLA_ACTIVATIONS else reference
+        kernel = fast if activation in FLA_CONV_ACTIVATIONS else reference
         return kernel(x, conv_state, weight, bias, activation)
 
     return causal_conv1d_update

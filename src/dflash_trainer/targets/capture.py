@@ -9,9 +9,9 @@ the deepest tapped layer raises a private exception that ends the forward right 
 norm, no LM head (the decoder is called, never the LM head), unless the final hidden state (the output of the final
 norm, what the LM head reads) is wanted. Hooks are registered for one call and removed in a `finally`.
 
-Packed rows (several documents per row, `doc_ids`, described by a `DocumentLayout`) take one of two paths, chosen
-per model by `packing_path`; both give each document exactly what running it alone gives, with positions that
-restart at every document:
+Packed rows (several documents per row, `doc_ids`, described by a `DocumentLayout`) take one of three paths, chosen
+per model by `packing_path` (and `varlen_hybrid_supported` on the device); all give each document exactly what
+running it alone gives, with positions that restart at every document:
 - `attention`: models whose token mixing is attention only (full and sliding-window layers). The decoder runs on
   the packed rows with document-aware attention (`attention.py`): varlen flash or flex attention on CUDA, SDPA
   with a dense mask on CPU.
@@ -23,7 +23,10 @@ restart at every document:
   `cu_seqlens`, which restarts the state per document (its torch fallback drops them silently). But the layer's
   short causal convolution restarts only with the separate `causal_conv1d` package installed and a `seq_idx` kwarg;
   its torch fallback ignores both and mixes the last kernel-1 tokens of one document into the next. So that route
-  is not taken; the per-document rows are exact with either set of kernels.
+  is not taken as transformers binds it; the per-document rows are exact with either set of kernels.
+- `varlen_hybrid`: hybrids whose linear-attention layers can restart at every document by variable-length kernels
+  (CUDA with flash-linear-attention, `varlen_hybrid.py`): the batch runs as one row of sequences, in one forward,
+  with fla's convolution routed in for the duration and document attention in the attention layers.
 Rows of one document each (`doc_ids=None`) need neither: causal attention never looks past a row's end padding.
 
 Compiled layers (`compile_layers=True`, `target.compile`, CUDA training). An eager forward runs each norm, RoPE
@@ -55,8 +58,9 @@ from ..model.loss import greedy_next_tokens
 from .attention import BACKENDS, PackedAttention, documents_attention_implementation, layer_windows, resolve_backend
 from .documents import DocumentLayout
 from .per_document import document_groups
+from .varlen_hybrid import Sequences, routed_varlen_convolutions, varlen_hybrid_supported
 
-PackingPath = Literal["attention", "per_document"]
+PackingPath = Literal["attention", "per_document", "varlen_hybrid"]
 # Layer types whose token mixing document attention fully controls.
 _ATTENTION_LAYER_TYPES = {"full_attention", "sliding_attention"}
 # Writes one tapped layer's output `[rows, length, H]` into the feature slot of index `slot`.
@@ -114,15 +118,19 @@ def packing_path(model: PreTrainedModel) -> PackingPath:
     """How packed rows of `model` keep documents apart (see the module docstring)."""
     config = model.config.get_text_config(decoder=True)
     layer_types = set(getattr(config, "layer_types", None) or ["full_attention"])
-    decoder = decoder_module(model)
-    attention_only = layer_types <= _ATTENTION_LAYER_TYPES
-    # Sinks (gpt-oss) and soft-capping (Gemma 2) change the softmax; document attention does not apply them.
-    plain_softmax = getattr(config, "attn_logit_softcapping", None) is None and not any(
-        hasattr(module, "sinks") for module in decoder.modules()
-    )
-    if attention_only and plain_softmax and type(model)._can_set_attn_implementation():
+    if layer_types <= _ATTENTION_LAYER_TYPES and document_attention_serves(model):
         return "attention"
     return "per_document"
+
+
+def document_attention_serves(model: PreTrainedModel) -> bool:
+    """Whether `model`'s attention layers can run document attention (`attention.py`) in place of their own."""
+    config = model.config.get_text_config(decoder=True)
+    # Sinks (gpt-oss) and soft-capping (Gemma 2) change the softmax; document attention does not apply them.
+    plain_softmax = getattr(config, "attn_logit_softcapping", None) is None and not any(
+        hasattr(module, "sinks") for module in decoder_module(model).modules()
+    )
+    return plain_softmax and type(model)._can_set_attn_implementation()
 
 
 class FeatureCapture:
@@ -158,12 +166,18 @@ class FeatureCapture:
         text_config = model.config.get_text_config(decoder=True)
         self.hidden_size = int(text_config.hidden_size)
         self.dtype = embedding_module(model).weight.dtype
+        device = embedding_module(model).weight.device
         self.packing_path = packing_path(model)
+        if (
+            self.packing_path == "per_document"
+            and varlen_hybrid_supported(model, device)
+            and document_attention_serves(model)
+        ):
+            self.packing_path = "varlen_hybrid"
         self.backend = None
         self.windows = layer_windows(text_config)
-        if self.packing_path == "attention":
+        if self.packing_path != "per_document":
             head_dim = getattr(text_config, "head_dim", None) or self.hidden_size // text_config.num_attention_heads
-            device = embedding_module(model).weight.device
             self.backend = resolve_backend(packed_attention, device, self.dtype, int(head_dim))
         self._compiled_forward = None
         # The layers a capture runs: up to the deepest tap, or all of them for the final hidden state.
@@ -210,11 +224,29 @@ class FeatureCapture:
         if position_ids is None:
             position_ids = layout.positions()
         if self.packing_path == "attention":
-            packed = PackedAttention(layout, self.backend, self.windows)
+            packed = {"packed_attention": PackedAttention(layout, self.backend, self.windows)}
             with documents_attention_implementation(self.decoder.config):
-                final_hidden = self._run(input_ids, position_ids, self._slot_writer(features), packed_attention=packed)
+                final_hidden = self._run(input_ids, position_ids, self._slot_writer(features), packed)
             return TargetOutputs(features=features, final_hidden=final_hidden)
+        if self.packing_path == "varlen_hybrid":
+            return self._capture_varlen_hybrid(input_ids, position_ids, layout, features)
         return self._capture_per_document(input_ids, position_ids, layout, features)
+
+    def _capture_varlen_hybrid(
+        self, input_ids: Tensor, position_ids: Tensor, layout: DocumentLayout, features: Tensor
+    ) -> TargetOutputs:
+        """The batch as one row of sequences `[1, R*T]` (`varlen_hybrid.py`), outputs viewed back as `[R, T, ...]`."""
+        rows, length = input_ids.shape
+        one_row = layout.as_one_row()
+        forward_kwargs = {
+            "packed_attention": PackedAttention(one_row, self.backend, self.windows),
+            **Sequences.of(one_row).forward_kwargs(),
+        }
+        write = self._slot_writer(features.view(1, rows * length, -1))
+        with documents_attention_implementation(self.decoder.config), routed_varlen_convolutions(self.model):
+            final_hidden = self._run(input_ids.view(1, -1), position_ids.reshape(1, -1), write, forward_kwargs)
+        final_hidden = None if final_hidden is None else final_hidden.view(rows, length, -1)
+        return TargetOutputs(features=features, final_hidden=final_hidden)
 
     def _capture_per_document(
         self, input_ids: Tensor, position_ids: Tensor, layout: DocumentLayout, features: Tensor
@@ -247,10 +279,11 @@ class FeatureCapture:
         input_ids: Tensor,
         position_ids: Tensor | None,
         write: _Writer,
-        packed_attention: PackedAttention | None = None,
+        forward_kwargs: dict[str, object] | None = None,
     ) -> Tensor | None:
         """One decoder forward with the copy hooks; the final hidden state `[rows, length, H]` if it ran that far.
-        `packed_attention` travels to every attention call (transformers hands unknown keywords through)."""
+        `forward_kwargs` (`packed_attention`, the sequences' boundaries) travel to every layer: transformers hands
+        unknown keywords through to the attention calls and the linear-attention layers."""
         deepest = max(self.layer_ids)
         handles = [
             self.decoder.layers[layer_id].register_forward_hook(
@@ -260,8 +293,9 @@ class FeatureCapture:
         ]
         try:
             with torch.no_grad(), self._layers_compiled():
-                extra = {} if packed_attention is None else {"packed_attention": packed_attention}
-                output = self.decoder(input_ids=input_ids, position_ids=position_ids, use_cache=False, **extra)
+                output = self.decoder(
+                    input_ids=input_ids, position_ids=position_ids, use_cache=False, **(forward_kwargs or {})
+                )
             return output.last_hidden_state  # [rows, length, H]
         except _StopAfterDeepestLayer:
             return None

@@ -76,6 +76,13 @@ class DocumentLayout:
         segment_ids = (segment_starts(doc_ids).flatten().cumsum(0, dtype=torch.int32) - 1).view(doc_ids.shape)
         return cls(segment_ids, boundaries)
 
+    def as_one_row(self) -> DocumentLayout:
+        """The same segments over the batch flattened into one row `[1, R*T]` (the boundaries are already over the
+        flattened tokens): what kernels that take one row of sequences read."""
+        layout = DocumentLayout(self.segment_ids.view(1, -1), self._boundaries)
+        layout._cu_seqlens = self._cu_seqlens
+        return layout
+
     @property
     def rows(self) -> int:
         return self.segment_ids.shape[0]

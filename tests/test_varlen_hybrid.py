@@ -1,0 +1,108 @@
+"""The one-forward path of hybrid targets (`targets/varlen_hybrid.py`) on the CPU: its plumbing.
+
+flash-linear-attention's kernels do not run on the CPU, and transformers' torch references ignore `cu_seqlens`. So
+these tests put per-segment references of the two kernels in their place: the convolution and the chunked delta
+rule each run transformers' own reference on every sequence the boundaries name. The path must then give every
+document what running it alone gives, which holds only if the batch is flattened right, the boundaries reach both
+kernels of every linear-attention layer, and the attention layers keep documents apart. The GPU test with fla's
+kernels is `test_packed_target_gpu.py::test_gpu_hybrid_packed_rows_equal_each_document_alone`.
+"""
+
+from __future__ import annotations
+
+import itertools
+import sys
+
+import pytest
+import torch
+
+from dflash_trainer.decoding.hybrid_kernels import HybridKernels
+from dflash_trainer.targets import capture as capture_module
+from dflash_trainer.targets import varlen_hybrid
+from dflash_trainer.targets.capture import FeatureCapture
+from dflash_trainer.targets.documents import DocumentLayout
+from test_packed_target import LENGTHS, WIDTH, assert_equal_to_alone, each_document_alone, packed_batch
+
+MODELING = "transformers.models.qwen3_5.modeling_qwen3_5"
+
+
+def _segments(cu_seqlens: torch.Tensor, cu_seqlens_cpu: torch.Tensor) -> list[tuple[int, int]]:
+    assert cu_seqlens.dtype == torch.int64 and torch.equal(cu_seqlens.cpu(), cu_seqlens_cpu)
+    return list(itertools.pairwise(cu_seqlens_cpu.tolist()))
+
+
+@pytest.fixture
+def reference_kernels(monkeypatch):
+    """Per-segment references in place of fla's convolution and chunk rule (transformers' own references where no
+    boundaries come, as for a document run alone); returns how often each ran on boundaries."""
+    modeling = sys.modules[MODELING]
+    conv_reference, chunk_reference = modeling.causal_conv1d_fn, modeling.torch_chunk_gated_delta_rule
+    calls = {"conv": 0, "chunk": 0}
+
+    def varlen_conv(x, weight, bias=None, activation=None, *, cu_seq_lens_q=None, cu_seqlens_cpu=None, **_):
+        if cu_seq_lens_q is None:  # a row of its own (the documents run alone)
+            return conv_reference(x, weight, bias, activation=activation)
+        assert x.shape[0] == 1  # [1, C, N]: one row of sequences
+        calls["conv"] += 1
+        parts = [
+            conv_reference(x[..., start:end], weight, bias, activation=activation)
+            for start, end in _segments(cu_seq_lens_q, cu_seqlens_cpu)
+        ]
+        return torch.cat(parts, dim=-1)
+
+    def varlen_chunk(query, key, value, g, beta, *, cu_seqlens=None, cu_seqlens_cpu=None, **kwargs):
+        if cu_seqlens is None:
+            return chunk_reference(query, key, value, g, beta, **kwargs)
+        assert query.shape[0] == 1 and kwargs.pop("initial_state") is None
+        calls["chunk"] += 1
+        outputs = [
+            chunk_reference(*(t[:, start:end] for t in (query, key, value, g, beta)), initial_state=None, **kwargs)[0]
+            for start, end in _segments(cu_seqlens, cu_seqlens_cpu)
+        ]
+        return torch.cat(outputs, dim=1), None
+
+    kernels = HybridKernels("per-segment reference", conv=varlen_conv, conv_update=modeling.causal_conv1d_update)
+    monkeypatch.setattr(varlen_hybrid, "FLA", kernels)
+    monkeypatch.setattr(modeling, "torch_chunk_gated_delta_rule", varlen_chunk)
+    monkeypatch.setattr(capture_module, "varlen_hybrid_supported", lambda model, device: True)
+    return calls
+
+
+@pytest.mark.parametrize("need_final_hidden", [True, False])
+def test_one_forward_over_the_flattened_batch_equals_each_document_alone(
+    tiny_qwen3_5, reference_kernels, need_final_hidden
+):
+    input_ids, doc_ids, documents = packed_batch(LENGTHS, WIDTH, seed=3)
+    alone = each_document_alone(FeatureCapture(tiny_qwen3_5, [0, 1, 2], need_final_hidden), documents)
+    reference_kernels.update(conv=0, chunk=0)  # the documents alone ran without boundaries
+    capture = FeatureCapture(tiny_qwen3_5, [0, 1, 2], need_final_hidden)
+    assert capture.packing_path == "varlen_hybrid"
+
+    packed = capture.capture(input_ids, None, doc_ids)
+
+    assert_equal_to_alone(packed, alone)
+    assert packed.features.shape == (*input_ids.shape, 3 * 64)
+    # One forward: each of the two linear-attention layers ran each kernel once (layer 2 is the deepest tap unless
+    # the final states are wanted: layers 0 and 2 both run either way).
+    assert reference_kernels == {"conv": 2, "chunk": 2}
+
+
+def test_without_the_boundaries_the_flattened_rows_would_mix_documents(tiny_qwen3_5, reference_kernels):
+    # Control: the same flattened forward with every row as one sequence carries state across documents.
+    input_ids, doc_ids, documents = packed_batch(LENGTHS, WIDTH, seed=3)
+    capture = FeatureCapture(tiny_qwen3_5, [2])
+    layout = DocumentLayout.from_doc_ids(doc_ids)
+    whole_rows = DocumentLayout(layout.segment_ids, tuple(range(0, input_ids.numel() + 1, WIDTH)))
+    mixed = capture._capture_varlen_hybrid(input_ids, layout.positions(), whole_rows, torch.empty(3, WIDTH, 64))
+    alone = each_document_alone(FeatureCapture(tiny_qwen3_5, [2]), documents)
+    r, start = 0, documents[0][1][0]  # row 0's second document
+    expected = alone[(r, start)].features[0]
+    assert (mixed.features[r, start : start + expected.shape[0]] - expected).abs().max() > 1e-3
+
+
+def test_the_path_is_chosen_only_where_its_kernels_run(tiny_qwen3_5, tiny_qwen3):
+    cpu = torch.device("cpu")
+    assert not varlen_hybrid.varlen_hybrid_supported(tiny_qwen3_5, cpu)  # transformers' references: no boundaries
+    assert not varlen_hybrid.varlen_hybrid_supported(tiny_qwen3, torch.device("cuda"))  # no linear attention
+    assert FeatureCapture(tiny_qwen3_5, [0]).packing_path == "per_document"
+    assert varlen_hybrid.modeling_modules(tiny_qwen3_5) == [sys.modules[MODELING]]
