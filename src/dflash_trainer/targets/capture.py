@@ -38,7 +38,11 @@ can run through one `torch.compile`d function of their class's `forward`
 Only during `capture` is each layer's `forward` pointed at it, so the hooks stay eager around it (the copy and the
 early stop) and every other user of the model (evaluation, regeneration: the decoding engine) runs it as loaded.
 Packed attention prepares its inputs before the forward (`PackedAttention`), so the compiled layers read tensors
-and one integer.
+and one integer. A hybrid's layers branch on their type, so its class compiles one graph per layer type (linear and
+full attention; every layer of a type shares it). The linear-attention layers' delta rule and short convolution
+are opaque custom ops in that graph, for the duration of the capture (`opaque_kernels.py`): traced, fla's
+`torch.compiler.disable`d kernel broke each such layer into four graphs, and the PyTorch reference unrolled
+its chunk loop and compiled again for every new chunk count.
 """
 
 from __future__ import annotations
@@ -57,6 +61,7 @@ from ..compiling import compile_dynamic
 from ..model.loss import greedy_next_tokens
 from .attention import BACKENDS, PackedAttention, documents_attention_implementation, layer_windows, resolve_backend
 from .documents import DocumentLayout
+from .opaque_kernels import linear_attention_modules, opaque_linear_attention_kernels
 from .per_document import document_groups
 from .varlen_hybrid import Sequences, routed_varlen_convolutions, varlen_hybrid_supported
 
@@ -182,9 +187,11 @@ class FeatureCapture:
         self._compiled_forward = None
         # The layers a capture runs: up to the deepest tap, or all of them for the final hidden state.
         self._layers_run = len(self.decoder.layers) if need_final_hidden else max(self.layer_ids) + 1
+        self._kernel_modules = ()
         if compile_layers:
-            kinds = {type(layer) for layer in self.decoder.layers[: self._layers_run]}
-            self._compiled_forward = {kind: compile_layer_forward(kind.forward) for kind in kinds}
+            layers = self.decoder.layers[: self._layers_run]
+            self._compiled_forward = {kind: compile_layer_forward(kind.forward) for kind in {type(x) for x in layers}}
+            self._kernel_modules = linear_attention_modules(layers)
 
     def capture(
         self,
@@ -313,7 +320,8 @@ class FeatureCapture:
         for layer in layers:
             layer.forward = partial(self._compiled_forward[type(layer)], layer)
         try:
-            yield
+            with opaque_linear_attention_kernels(self._kernel_modules):
+                yield
         finally:
             for layer in layers:
                 del layer.forward  # the class's forward again

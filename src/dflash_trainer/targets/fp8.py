@@ -68,7 +68,10 @@ class Fp8Linear(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         leading = x.shape[:-1]
         rows = x.reshape(-1, self.in_features)  # [M, K]
-        quantize = _compiled_quantize_rowwise() if rows.is_cuda else quantize_rowwise
+        # Inside a compiled graph (the target's compiled layers) the plain quantiser is traced and fused with the
+        # ops around it; calling the compiled one there would nest a torch.compile that dynamo only inlines.
+        compiled = rows.is_cuda and not torch.compiler.is_compiling()
+        quantize = _compiled_quantize_rowwise() if compiled else quantize_rowwise
         x_q, x_scale = quantize(rows)
         out = torch._scaled_mm(  # [M, N]; the weight's transpose is the column-major operand it wants
             x_q, self.weight_fp8.t(), scale_a=x_scale, scale_b=self.weight_scale, out_dtype=self.out_dtype
