@@ -16,6 +16,7 @@ import sys
 import pytest
 import torch
 
+from dflash_trainer.compiling import compile_dynamic
 from dflash_trainer.decoding.hybrid_kernels import HybridKernels
 from dflash_trainer.targets import capture as capture_module
 from dflash_trainer.targets import varlen_hybrid
@@ -106,3 +107,31 @@ def test_the_path_is_chosen_only_where_its_kernels_run(tiny_qwen3_5, tiny_qwen3)
     assert not varlen_hybrid.varlen_hybrid_supported(tiny_qwen3, torch.device("cuda"))  # no linear attention
     assert FeatureCapture(tiny_qwen3_5, [0]).packing_path == "per_document"
     assert varlen_hybrid.modeling_modules(tiny_qwen3_5) == [sys.modules[MODELING]]
+
+
+def test_compiled_layers_on_the_one_forward_path_give_the_eager_features(tiny_qwen3_5, reference_kernels, monkeypatch):
+    """`target.compile`: the kernels are opaque ops in the compiled layers (`opaque_kernels.py`) and must receive the
+    sequences' boundaries there too; a second batch of other boundaries and length compiles nothing new."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    monkeypatch.setattr(capture_module, "compile_layer_forward", lambda fn: compile_dynamic(fn, backend="aot_eager"))
+    eager = FeatureCapture(tiny_qwen3_5, [0, 1, 2], need_final_hidden=True)
+    compiled = FeatureCapture(tiny_qwen3_5, [0, 1, 2], need_final_hidden=True, compile_layers=True)
+    graphs = []
+    for lengths, width, seed in ((LENGTHS, WIDTH, 3), ([[7, 9], [3, 2, 6], [17]], 17, 4)):
+        input_ids, doc_ids, documents = packed_batch(lengths, width, seed=seed)
+        expected = eager.capture(input_ids, None, doc_ids)
+        before = counters["stats"]["unique_graphs"]
+        reference_kernels.update(conv=0, chunk=0)
+
+        actual = compiled.capture(input_ids, None, doc_ids)
+
+        graphs.append(counters["stats"]["unique_graphs"] - before)
+        assert reference_kernels == {"conv": 2, "chunk": 2}  # through the ops, with the boundaries
+        torch.testing.assert_close(actual.features, expected.features, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(actual.final_hidden, expected.final_hidden, rtol=1e-5, atol=1e-5)
+        assert_equal_to_alone(actual, each_document_alone(eager, documents))
+    assert graphs[0] > 0 and graphs[1] == 0, f"graphs compiled per batch: {graphs}"
+    torch._dynamo.reset()

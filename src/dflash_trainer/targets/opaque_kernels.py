@@ -4,7 +4,8 @@ Contract: inside `opaque_linear_attention_kernels(modules)`, each modeling modul
 Gated DeltaNet kernels transformers (5.17) binds at import (`torch_chunk_gated_delta_rule`, `causal_conv1d_fn`: the
 Qwen3.5/3.6, Qwen3.5-MoE, Qwen3-Next and OLMo-hybrid modeling files) has those names pointed at a wrapper. Outside
 compiled code the wrapper calls the bound function as it is; while dynamo traces, a stateless call (no cache, no
-`cu_seqlens`, no `seq_idx`: what a feature capture makes) becomes one call of a custom op
+`seq_idx`: what a feature capture makes, over plain rows or, with the sequences' boundaries `cu_seqlens`, over one
+row of sequences: `varlen_hybrid.py`) becomes one call of a custom op
 (`dflash_target::chunk_gated_delta_rule`, `dflash_target::causal_conv1d`) whose kernel is that same bound function,
 run eagerly with the graph's inputs. Every other call goes to the bound function unchanged. On exit the module's own
 functions are back. The ops' outputs are the bound function's, made contiguous (which is what both of its
@@ -56,9 +57,18 @@ _lock = threading.Lock()
 
 @torch.library.custom_op("dflash_target::chunk_gated_delta_rule", mutates_args=())
 def _chunk_gated_delta_rule(
-    kernel: str, query: Tensor, key: Tensor, value: Tensor, g: Tensor, beta: Tensor, use_qk_l2norm_in_kernel: bool
+    kernel: str,
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    g: Tensor,
+    beta: Tensor,
+    use_qk_l2norm_in_kernel: bool,
+    cu_seqlens: Tensor | None,
+    cu_seqlens_cpu: Tensor | None,
 ) -> Tensor:
-    """`[B, T, HV, V]` in query's dtype: the bound kernel's output, no initial and no final state."""
+    """`[B, T, HV, V]` in query's dtype: the bound kernel's output, no initial and no final state; over one row of
+    sequences when their boundaries `cu_seqlens` `[S+1]` (and the same on the host) are given."""
     out, _ = _KERNELS[kernel](
         query,
         key,
@@ -68,27 +78,43 @@ def _chunk_gated_delta_rule(
         initial_state=None,
         output_final_state=False,
         use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
-        cu_seqlens=None,
+        cu_seqlens=cu_seqlens,
+        **_host_boundaries("cu_seqlens_cpu", cu_seqlens_cpu),
     )
     return out.contiguous()
 
 
 @_chunk_gated_delta_rule.register_fake
-def _chunk_gated_delta_rule_fake(kernel, query, key, value, g, beta, use_qk_l2norm_in_kernel):
+def _chunk_gated_delta_rule_fake(
+    kernel, query, key, value, g, beta, use_qk_l2norm_in_kernel, cu_seqlens, cu_seqlens_cpu
+):
     return value.new_empty(value.shape, dtype=query.dtype)  # [B, T, HV, V]
 
 
 @torch.library.custom_op("dflash_target::causal_conv1d", mutates_args=())
 def _causal_conv1d(
-    kernel: str, hidden_states: Tensor, weight: Tensor, bias: Tensor | None, activation: str | None
+    kernel: str,
+    hidden_states: Tensor,
+    weight: Tensor,
+    bias: Tensor | None,
+    activation: str | None,
+    cu_seq_lens_q: Tensor | None,
+    cu_seqlens_cpu: Tensor | None,
 ) -> Tensor:
-    """`[B, C, T]` in hidden_states' dtype: the bound depthwise causal convolution (and activation)."""
-    return _KERNELS[kernel](hidden_states, weight, bias, activation=activation).contiguous()
+    """`[B, C, T]` in hidden_states' dtype: the bound depthwise causal convolution (and activation); the sequences'
+    boundaries, when given, go to it as the layer's keywords (`hybrid_kernels.fla_conv` reads them)."""
+    boundaries = _host_boundaries("cu_seq_lens_q", cu_seq_lens_q) | _host_boundaries("cu_seqlens_cpu", cu_seqlens_cpu)
+    return _KERNELS[kernel](hidden_states, weight, bias, activation=activation, **boundaries).contiguous()
 
 
 @_causal_conv1d.register_fake
-def _causal_conv1d_fake(kernel, hidden_states, weight, bias, activation):
+def _causal_conv1d_fake(kernel, hidden_states, weight, bias, activation, cu_seq_lens_q, cu_seqlens_cpu):
     return hidden_states.new_empty(hidden_states.shape)  # [B, C, T]
+
+
+def _host_boundaries(name: str, value: Tensor | None) -> dict[str, Tensor]:
+    """`{name: value}`, or nothing for None: a keyword passed on only when the capture gave it."""
+    return {} if value is None else {name: value}
 
 
 def _chunk_rule_wrapper(kernel: str) -> Callable:
@@ -105,12 +131,13 @@ def _chunk_rule_wrapper(kernel: str) -> Callable:
         cu_seqlens: Tensor | None = None,
         **passed_through,
     ) -> tuple[Tensor, Tensor | None]:
-        stateless = initial_state is None and not output_final_state and cu_seqlens is None
+        stateless = initial_state is None and not output_final_state
         if torch.compiler.is_compiling() and stateless and chunk_size == _CHUNK_SIZE:
             # The layer's other keywords (use_cache, ...) are parameters of neither kernel: transformers' own
             # wrapper drops them as well.
             op = torch.ops.dflash_target.chunk_gated_delta_rule
-            return op(kernel, query, key, value, g, beta, use_qk_l2norm_in_kernel), None
+            host = passed_through.get("cu_seqlens_cpu")
+            return op(kernel, query, key, value, g, beta, use_qk_l2norm_in_kernel, cu_seqlens, host), None
         return _KERNELS[kernel](
             query,
             key,
@@ -138,7 +165,8 @@ def _convolution_wrapper(kernel: str) -> Callable:
         **passed_through,
     ) -> Tensor:
         if torch.compiler.is_compiling() and seq_idx is None:
-            return torch.ops.dflash_target.causal_conv1d(kernel, hidden_states, weight, bias, activation)
+            boundaries = passed_through.get("cu_seq_lens_q"), passed_through.get("cu_seqlens_cpu")
+            return torch.ops.dflash_target.causal_conv1d(kernel, hidden_states, weight, bias, activation, *boundaries)
         return _KERNELS[kernel](hidden_states, weight, bias, activation=activation, seq_idx=seq_idx, **passed_through)
 
     return causal_conv1d_fn
