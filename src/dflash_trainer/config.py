@@ -43,7 +43,8 @@ class TargetConfig:
     fp8: bool = False
     # torch.compile the decoder layers for feature capture in training on CUDA (targets/capture.py): fuses the eager
     # layers' norms, RoPE and activations (Qwen3-8B shape: 268 -> 204 ms per 8,192-token row; on in
-    # recipes/bench-qwen3-8b.yaml). Evaluation and regeneration run the layers as loaded. Off by default until
+    # recipes/bench-qwen3-8b.yaml); a hybrid's linear-attention kernels stay opaque ops in the compiled layers
+    # (targets/opaque_kernels.py). Evaluation and regeneration run the layers as loaded. Off by default until
     # measured on the SmolLM2 recipe.
     compile: bool = False
     # The decoding engine's delta-rule states of a hybrid target (Qwen3.5/3.6) in regeneration and evaluation:
