@@ -15,6 +15,7 @@ import sys
 
 import pytest
 import torch
+from torch.library import opcheck
 
 from dflash_trainer.compiling import compile_dynamic
 from dflash_trainer.decoding.hybrid_kernels import HybridKernels
@@ -22,6 +23,7 @@ from dflash_trainer.targets import capture as capture_module
 from dflash_trainer.targets import varlen_hybrid
 from dflash_trainer.targets.capture import FeatureCapture
 from dflash_trainer.targets.documents import DocumentLayout
+from dflash_trainer.targets.opaque_kernels import opaque_linear_attention_kernels
 from test_packed_target import LENGTHS, WIDTH, assert_equal_to_alone, each_document_alone, packed_batch
 
 MODELING = "transformers.models.qwen3_5.modeling_qwen3_5"
@@ -135,3 +137,21 @@ def test_compiled_layers_on_the_one_forward_path_give_the_eager_features(tiny_qw
         assert_equal_to_alone(actual, each_document_alone(eager, documents))
     assert graphs[0] > 0 and graphs[1] == 0, f"graphs compiled per batch: {graphs}"
     torch._dynamo.reset()
+
+
+def test_the_opaque_kernel_ops_pass_torch_opcheck(reference_kernels):
+    """The ops the compiled layers call (`opaque_kernels.py`), with and without the sequences' boundaries: schema,
+    fakes (shapes, dtypes, strides, symbolic sizes) and AOT dispatch against the real kernels."""
+    modeling = sys.modules[MODELING]
+    gen = torch.Generator().manual_seed(0)
+    query, key, value = (torch.randn(1, 20, 4, 16, generator=gen) for _ in range(3))  # [1, T, HV, K]
+    g, beta = -torch.rand(1, 20, 4, generator=gen), torch.rand(1, 20, 4, generator=gen)  # [1, T, HV]
+    x, weight = torch.randn(1, 24, 20, generator=gen), torch.randn(24, 4, generator=gen)  # [1, C, T], [C, W]
+    bounds = torch.tensor([0, 7, 20])
+    with opaque_linear_attention_kernels([modeling]):
+        for boundaries in ((None, None), (bounds, bounds)):
+            chunk_rule = (f"{MODELING}.torch_chunk_gated_delta_rule", query, key, value, g, beta, True, *boundaries)
+            opcheck(torch.ops.dflash_target.chunk_gated_delta_rule.default, chunk_rule)
+            convolution = (f"{MODELING}.causal_conv1d_fn", x, weight, None, "silu", *boundaries)
+            opcheck(torch.ops.dflash_target.causal_conv1d.default, convolution)
+    assert reference_kernels["chunk"] > 0  # the boundaries reached the bound rule
