@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from dflash_trainer.cli import main
-from dflash_trainer.train.plot import PlotError, _smoothed, plot_run
+from dflash_trainer.train.plot import PlotError, _smoothed, plot_run, plot_runs
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -97,3 +97,37 @@ def test_moving_average_matches_a_direct_window_mean():
     expected = [np.nanmean(values[max(0, index - window + 1) : index + 1]) for index in range(len(values))]
     np.testing.assert_allclose(smooth, expected)
     assert _smoothed(values[:10]) is None
+
+
+def test_several_runs_are_overlaid_in_one_plot_each(tmp_path, capsys):
+    baseline, ablation = tmp_path / "runs" / "bf16", tmp_path / "runs" / "fp8"
+    for run, scale in ((baseline, 1.0), (ablation, 1.1)):
+        run.mkdir(parents=True)
+        records = [dict(r, loss=r["loss"] * scale) if "loss" in r else r for r in synthetic_run(40)]
+        write_metrics(run / "metrics.jsonl", records)
+    out = tmp_path / "compare"
+
+    assert main(["plot", str(baseline), str(ablation), "--out", str(out)]) == 0
+
+    paths = [out / "compare-loss.png", out / "compare-tau.png"]
+    assert capsys.readouterr().out.split() == [str(path) for path in paths]
+    for path in paths:
+        assert_png(path)
+    assert not (baseline / "plots").exists()  # the runs' own plot folders are left alone
+
+
+def test_comparing_with_a_run_that_has_no_metrics_names_it(tmp_path):
+    write_metrics(tmp_path / "metrics.jsonl", synthetic_run(5))
+    with pytest.raises(PlotError, match="missing"):
+        plot_runs([tmp_path, tmp_path / "missing"], tmp_path / "out")
+
+
+def test_one_run_plots_into_out_when_given(tmp_path):
+    write_metrics(tmp_path / "metrics.jsonl", synthetic_run(12))
+    assert main(["plot", str(tmp_path), "--out", str(tmp_path / "elsewhere")]) == 0
+    assert sorted(path.name for path in (tmp_path / "elsewhere").iterdir()) == [
+        "accuracy.png",
+        "loss.png",
+        "lr.png",
+        "tau.png",
+    ]

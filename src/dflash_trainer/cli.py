@@ -28,6 +28,8 @@ DEFAULT_RECIPE = "smollm2-135m"
 # What `train` runs without a recipe on a machine with a CUDA device.
 DEFAULT_GPU_RECIPE = "smollm2-135m-gpu"
 DEFAULT_BENCH_RECIPE = "bench-qwen3-8b"
+# `plot RUN_DIR RUN_DIR ...` writes its overlays here unless --out says otherwise.
+COMPARE_PLOTS_DIR = "compare-plots"
 # Kernels listed per phase when only --trace-dir asks for the kernel profile.
 DEFAULT_TOP_KERNELS = 20
 # Subcommands whose positionals (recipe, overrides) may come after options.
@@ -238,11 +240,16 @@ def cmd_convert_checkpoint(args: argparse.Namespace) -> int:
 
 
 def cmd_plot(args: argparse.Namespace) -> int:
-    from .train.plot import PlotError, plot_run
+    from .train.plot import PlotError, plot_run, plot_runs
 
-    paths = plot_run(args.run_dir)
+    if len(args.run_dirs) == 1:
+        paths = plot_run(args.run_dirs[0], args.out)
+        wanted = "loss, acc, tau, lr"
+    else:
+        paths = plot_runs(args.run_dirs, args.out or COMPARE_PLOTS_DIR)
+        wanted = "loss, tau"
     if not paths:
-        raise PlotError(f"{args.run_dir}: its metrics hold none of loss, acc, tau, lr: nothing to plot")
+        raise PlotError(f"{', '.join(args.run_dirs)}: the metrics hold none of {wanted}: nothing to plot")
     for path in paths:
         print(path)
     return 0
@@ -405,8 +412,15 @@ def build_parser() -> argparse.ArgumentParser:
     convert.add_argument("checkpoints", nargs="+", help="checkpoint directories (RUN_DIR/checkpoints/step-*)")
     convert.set_defaults(run=cmd_convert_checkpoint)
 
-    plot = sub.add_parser("plot", help="draw loss / accuracy / tau curves of a run as PNG")
-    plot.add_argument("run_dir")
+    plot = sub.add_parser(
+        "plot",
+        help="draw loss / accuracy / tau curves of a run as PNG, or overlay several runs' loss and tau",
+    )
+    plot.add_argument("run_dirs", nargs="+", metavar="run_dir")
+    plot.add_argument(
+        "--out",
+        help=f"where the PNGs go (default: RUN_DIR/plots for one run, ./{COMPARE_PLOTS_DIR} for several)",
+    )
     plot.set_defaults(run=cmd_plot)
 
     bench = sub.add_parser(

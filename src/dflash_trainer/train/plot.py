@@ -1,6 +1,8 @@
 """PNG curves of a run from its `metrics.jsonl`: loss, per-slot accuracy, E[tau], learning rate.
 
-Used at the end of training (`metrics.plot_at_end`) and by `dflash-trainer plot RUN_DIR`. Draws with
+Used at the end of training (`metrics.plot_at_end`) and by `dflash-trainer plot RUN_DIR`; `dflash-trainer plot RUN_DIR
+RUN_DIR ...` overlays the loss and acceptance-length curves of several runs instead (`plot_runs`: one colour per
+run, labelled by its directory as given), to compare an ablation with its baseline. Draws with
 matplotlib's object API (no pyplot; PNGs render on the Agg canvas): no display needed and no global figure
 state.
 Plots whose metrics are missing are skipped, so a short or partial run still gets what it has; a metrics file
@@ -39,15 +41,44 @@ class PlotError(UserError):
 def plot_run(run_dir: str | Path, out_dir: str | Path | None = None) -> list[Path]:
     """Draw the run's curves into `out_dir` (default `run_dir/plots`); return the PNG paths written."""
     run_dir = Path(run_dir)
+    records = run_records(run_dir)
+    figures = [(name, draw(records)) for name, draw in _PLOTS]
+    return _save(figures, Path(out_dir) if out_dir is not None else run_dir / PLOTS_DIR)
+
+
+def plot_runs(run_dirs: list[str | Path], out_dir: str | Path) -> list[Path]:
+    """Overlay the loss and acceptance-length curves of `run_dirs` into `out_dir` (`compare-loss.png`,
+    `compare-tau.png`); return the PNG paths written."""
+    runs = [(str(run_dir), run_records(Path(run_dir))) for run_dir in run_dirs]
+    figures = [
+        ("compare-loss", _plot_compared(runs, train_name="loss", eval_name="eval_loss", ylabel="loss", title="Loss")),
+        (
+            "compare-tau",
+            _plot_compared(
+                runs,
+                train_name="tau",
+                eval_name="eval_tau",
+                ylabel="tokens per target forward",
+                title="Acceptance length: train E[tau] (lines), eval tau (markers)",
+            ),
+        ),
+    ]
+    return _save(figures, Path(out_dir))
+
+
+def run_records(run_dir: Path) -> list[Record]:
+    """The metrics records of a run directory; a `PlotError` when it has none."""
     path = run_dir / METRICS_FILE
     records = read_metrics(path)
     if not records:
         raise PlotError(f"{path}: no complete metrics record to plot (the file is empty, torn or not JSONL)")
-    out_dir = Path(out_dir) if out_dir is not None else run_dir / PLOTS_DIR
+    return records
+
+
+def _save(figures: list[tuple[str, Figure | None]], out_dir: Path) -> list[Path]:
     out_dir.mkdir(parents=True, exist_ok=True)
     written: list[Path] = []
-    for name, draw in _PLOTS:
-        figure = draw(records)
+    for name, figure in figures:
         if figure is None:
             continue
         png = out_dir / f"{name}.png"
@@ -135,6 +166,42 @@ def _plot_train_and_eval(
             axes.plot(train_steps, smooth, color="tab:blue", label="train (moving average)")
     if len(eval_steps):
         axes.plot(eval_steps, eval_values, color="tab:red", marker="o", label="eval")
+    axes.set_xlabel("step")
+    axes.set_ylabel(ylabel)
+    axes.set_title(title)
+    axes.grid(alpha=0.3)
+    axes.legend()
+    return figure
+
+
+def _plot_compared(
+    runs: list[tuple[str, list[Record]]], *, train_name: str, eval_name: str, ylabel: str, title: str
+) -> Figure | None:
+    """One colour per run: its training curve (moving average over the faint raw one when long) and its
+    evaluations as markers."""
+    series = [
+        (label, _scalar_series(records, train_name), _scalar_series(records, eval_name)) for label, records in runs
+    ]
+    if not any(len(train[0]) or len(evaluated[0]) for _, train, evaluated in series):
+        return None
+    figure = Figure(figsize=(8, 4.5), layout="constrained")
+    axes = figure.add_subplot()
+    for index, (label, (train_steps, train_values), (eval_steps, eval_values)) in enumerate(series):
+        color = f"C{index % 10}"
+        if len(train_steps):
+            smooth = _smoothed(train_values)
+            if smooth is not None:
+                axes.plot(train_steps, train_values, color=color, alpha=0.2)
+            axes.plot(train_steps, train_values if smooth is None else smooth, color=color, label=label)
+        if len(eval_steps):
+            axes.plot(
+                eval_steps,
+                eval_values,
+                color=color,
+                marker="o",
+                linestyle="--",
+                label=f"{label} (eval)" if len(train_steps) else label,
+            )
     axes.set_xlabel("step")
     axes.set_ylabel(ylabel)
     axes.set_title(title)
