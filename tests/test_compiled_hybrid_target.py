@@ -47,7 +47,7 @@ def tiny_hybrid() -> Qwen3_5ForCausalLM:
 @pytest.mark.parametrize(
     "delta_rule,packed",
     [
-        ("compiler_disabled", False),  # ~10 s on 2 cores: two layer graphs compiled
+        pytest.param("compiler_disabled", False, marks=pytest.mark.slow),  # ~11 s on 2 cores: two layer graphs
         pytest.param("reference", True, marks=pytest.mark.slow),  # ~15 s: a third graph for packed rows
     ],
 )

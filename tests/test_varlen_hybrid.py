@@ -111,6 +111,7 @@ def test_the_path_is_chosen_only_where_its_kernels_run(tiny_qwen3_5, tiny_qwen3)
     assert varlen_hybrid.modeling_modules(tiny_qwen3_5) == [sys.modules[MODELING]]
 
 
+@pytest.mark.slow  # dynamo traces the hybrid's layers twice: ~11 s on 2 cores
 def test_compiled_layers_on_the_one_forward_path_give_the_eager_features(tiny_qwen3_5, reference_kernels, monkeypatch):
     """`target.compile`: the kernels are opaque ops in the compiled layers (`opaque_kernels.py`) and must receive the
     sequences' boundaries there too; a second batch of other boundaries and length compiles nothing new."""
