@@ -159,7 +159,8 @@ def test_gpu_compiled_hybrid_layers_are_as_accurate_as_eager_without_recompiling
     assert new_graphs[0] > 0 and new_graphs[1] == 0 and new_graphs[3] == 0, new_graphs
 
 
-# Packed rows for the GPU test, run per document: groups [2, 1000] + [3, 300], then [2, 800] + [3, 300].
+# Packed rows for the GPU test: with fla one row of sequences each ([1, 2000], then [1, 2200]), without it per
+# document (groups [2, 1000] + [3, 300], then [2, 800] + [3, 300]).
 PACKED = [([[300, 517, 100], [1000]], 1000), ([[800, 300], [700, 300]], 1100)]
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import itertools
 import sys
+import types
 
 import pytest
 import torch
@@ -156,3 +157,26 @@ def test_the_opaque_kernel_ops_pass_torch_opcheck(reference_kernels):
             convolution = (f"{MODELING}.causal_conv1d_fn", x, weight, None, "silu", *boundaries)
             opcheck(torch.ops.dflash_target.causal_conv1d.default, convolution)
     assert reference_kernels["chunk"] > 0  # the boundaries reached the bound rule
+
+
+def test_the_path_needs_a_bound_chunk_rule_that_takes_the_boundaries(monkeypatch):
+    """transformers' wrapper passes on only the keywords its bound implementation names: its PyTorch reference (what
+    it binds when importing fla fails) has no `cu_seqlens` and would drop the boundaries without a word."""
+    from transformers.integrations.hub_kernels import use_kernel_func_from_hub_with_fallback
+
+    assert not varlen_hybrid.bound_chunk_rule_takes_boundaries(sys.modules[MODELING])  # the CPU's reference
+
+    def chunk_gated_delta_rule(query, key, value, g, beta, cu_seqlens=None, cu_seqlens_cpu=None, **kwargs):
+        raise AssertionError("never called")
+
+    package = types.ModuleType("varlen_kernels_stand_in")
+    package.chunk_gated_delta_rule = chunk_gated_delta_rule
+    monkeypatch.setitem(sys.modules, package.__name__, package)
+
+    @use_kernel_func_from_hub_with_fallback("chunk_gated_delta_rule", package.__name__)
+    def reference(query, key, value, g, beta, **kwargs):
+        raise AssertionError("never called")
+
+    modeling = types.ModuleType("modeling_stand_in")
+    modeling.torch_chunk_gated_delta_rule = reference
+    assert varlen_hybrid.bound_chunk_rule_takes_boundaries(modeling)

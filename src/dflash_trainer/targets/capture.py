@@ -172,18 +172,18 @@ class FeatureCapture:
         self.hidden_size = int(text_config.hidden_size)
         self.dtype = embedding_module(model).weight.dtype
         device = embedding_module(model).weight.device
+        head_dim = int(getattr(text_config, "head_dim", None) or self.hidden_size // text_config.num_attention_heads)
         self.packing_path = packing_path(model)
-        if (
-            self.packing_path == "per_document"
-            and varlen_hybrid_supported(model, device)
-            and document_attention_serves(model)
-        ):
-            self.packing_path = "varlen_hybrid"
         self.backend = None
         self.windows = layer_windows(text_config)
-        if self.packing_path != "per_document":
-            head_dim = getattr(text_config, "head_dim", None) or self.hidden_size // text_config.num_attention_heads
-            self.backend = resolve_backend(packed_attention, device, self.dtype, int(head_dim))
+        if self.packing_path == "attention":
+            self.backend = resolve_backend(packed_attention, device, self.dtype, head_dim)
+        elif varlen_hybrid_supported(model, device) and document_attention_serves(model):
+            # A dense mask over the batch as one row is [R*T, R*T]: on CUDA, where batches are large, the path
+            # needs varlen or flex attention. (On the CPU, SDPA with a dense mask is the tests' reference.)
+            backend = resolve_backend(packed_attention, device, self.dtype, head_dim)
+            if backend != "dense" or device.type == "cpu":
+                self.packing_path, self.backend = "varlen_hybrid", backend
         self._compiled_forward = None
         # The layers a capture runs: up to the deepest tap, or all of them for the final hidden state.
         self._layers_run = len(self.decoder.layers) if need_final_hidden else max(self.layer_ids) + 1

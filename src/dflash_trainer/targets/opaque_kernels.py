@@ -8,9 +8,10 @@ compiled code the wrapper calls the bound function as it is; while dynamo traces
 row of sequences: `varlen_hybrid.py`) becomes one call of a custom op
 (`dflash_target::chunk_gated_delta_rule`, `dflash_target::causal_conv1d`) whose kernel is that same bound function,
 run eagerly with the graph's inputs. Every other call goes to the bound function unchanged. On exit the module's own
-functions are back. The ops' outputs are the bound function's, made contiguous (which is what both of its
-implementations return); their fakes give shape and dtype from the inputs, symbolic sizes included, so one graph
-serves every row count and length.
+functions are back. The ops' outputs are the bound function's, contiguous (the delta rule's as both of its
+implementations return it; the convolution's in `[B, T, C]`, the layout fla writes, handed to the layer as the
+`[B, C, T]` view it expects); their fakes give shape and dtype from the inputs, symbolic sizes included, so one
+graph serves every row count and length.
 
 Why: the bound function is one of two things, and dynamo handles neither well when it traces a decoder layer.
 - flash-linear-attention installed (the GPU): fla-core 0.5.2's `chunk_gated_delta_rule` is `torch.compiler.disable`d.
@@ -101,15 +102,19 @@ def _causal_conv1d(
     cu_seq_lens_q: Tensor | None,
     cu_seqlens_cpu: Tensor | None,
 ) -> Tensor:
-    """`[B, C, T]` in hidden_states' dtype: the bound depthwise causal convolution (and activation); the sequences'
-    boundaries, when given, go to it as the layer's keywords (`hybrid_kernels.fla_conv` reads them)."""
+    """`hidden_states` `[B, C, T]` -> `[B, T, C]` contiguous in hidden_states' dtype: the bound depthwise causal
+    convolution (and activation), transposed, the layout fla's kernel writes (its `[B, C, T]` result is a view of
+    it, and the layer reads q/k/v from the transposed result: the op hands that back without a copy); the
+    sequences' boundaries, when given, go to the kernel as the layer's keywords (`hybrid_kernels.fla_conv`)."""
     boundaries = _host_boundaries("cu_seq_lens_q", cu_seq_lens_q) | _host_boundaries("cu_seqlens_cpu", cu_seqlens_cpu)
-    return _KERNELS[kernel](hidden_states, weight, bias, activation=activation, **boundaries).contiguous()
+    out = _KERNELS[kernel](hidden_states, weight, bias, activation=activation, **boundaries)  # [B, C, T]
+    return out.transpose(1, 2).contiguous()  # [B, T, C]
 
 
 @_causal_conv1d.register_fake
 def _causal_conv1d_fake(kernel, hidden_states, weight, bias, activation, cu_seq_lens_q, cu_seqlens_cpu):
-    return hidden_states.new_empty(hidden_states.shape)  # [B, C, T]
+    batch, channels, length = hidden_states.shape
+    return hidden_states.new_empty((batch, length, channels))  # [B, T, C]
 
 
 def _host_boundaries(name: str, value: Tensor | None) -> dict[str, Tensor]:
@@ -166,7 +171,8 @@ def _convolution_wrapper(kernel: str) -> Callable:
     ) -> Tensor:
         if torch.compiler.is_compiling() and seq_idx is None:
             boundaries = passed_through.get("cu_seq_lens_q"), passed_through.get("cu_seqlens_cpu")
-            return torch.ops.dflash_target.causal_conv1d(kernel, hidden_states, weight, bias, activation, *boundaries)
+            op = torch.ops.dflash_target.causal_conv1d
+            return op(kernel, hidden_states, weight, bias, activation, *boundaries).transpose(1, 2)  # [B, C, T]
         return _KERNELS[kernel](hidden_states, weight, bias, activation=activation, seq_idx=seq_idx, **passed_through)
 
     return causal_conv1d_fn

@@ -15,13 +15,16 @@ two places only; everything else in the layer (projections, gates, norms) and th
   flash-linear-attention's Triton convolution (`hybrid_kernels.fla_conv`), which takes the sequences' boundaries
   (`cu_seq_lens_q`) and reads zeros before each sequence's first token, as a row of its own does;
 - the chunked gated delta rule, to which transformers hands `cu_seqlens=kwargs.pop("cu_seq_lens_q")` and, by its
-  signature, `cu_seqlens_cpu` (the same boundaries on the host, so fla plans its chunks without a device sync).
-  Bound to fla's `chunk_gated_delta_rule`, every sequence starts from a zero state.
+  signature, `cu_seqlens_cpu` (the same boundaries on the host: fla plans its chunks from them and copies the plan
+  to the device once per capture). Bound to fla's `chunk_gated_delta_rule`, every sequence starts from a zero
+  state. transformers' wrapper passes on only the keywords the bound function names, and binds its PyTorch
+  reference (no `cu_seqlens`: the boundaries would be dropped without a word) when importing fla's failed, so the
+  path checks what was bound (`bound_chunk_rule_takes_boundaries`).
 The attention layers read `packed_attention` over the same segments (`attention.py`). A row's padding run is a
 segment of its own, so nothing crosses from one row into the next row's first document.
 
-When it applies (`varlen_hybrid_supported`): on CUDA, where `hybrid_kernels.fla_available()` (then transformers,
-importing its modeling module, bound fla's chunk rule too), without the `causal-conv1d` package (transformers would
+When it applies (`varlen_hybrid_supported`): on CUDA, where `hybrid_kernels.fla_available()` and transformers bound a
+chunk rule that takes `cu_seqlens` (fla's), without the `causal-conv1d` package (transformers would
 bind its kernel, which restarts only given a `seq_idx`), every linear-attention layer a `Qwen3_5GatedDeltaNet` whose
 activation fla's convolution applies, and attention that document attention serves (`capture.py`). transformers'
 torch references ignore `cu_seqlens`, so the CPU keeps `per_document.py`; its tests run this path with per-segment
@@ -30,6 +33,7 @@ references in place of the two kernels (the plumbing), the GPU tests with fla's 
 
 from __future__ import annotations
 
+import inspect
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -48,8 +52,10 @@ from ..decoding.hybrid_kernels import (
 )
 from .documents import DocumentLayout
 
-# The linear-attention layer class whose token mixing this path routes (transformers 5.17).
+# The linear-attention layer class whose token mixing this path routes (transformers 5.17), and the name its
+# modeling module binds the chunked delta rule to.
 GATED_DELTA_NET = "Qwen3_5GatedDeltaNet"
+CHUNK_RULE = "torch_chunk_gated_delta_rule"
 
 
 def linear_attention_layers(model: nn.Module) -> list[nn.Module]:
@@ -61,7 +67,23 @@ def varlen_hybrid_supported(model: nn.Module, device: torch.device) -> bool:
     layers = linear_attention_layers(model)
     if not layers or device.type != "cuda" or causal_conv1d_installed() or not fla_available():
         return False
+    if not all(bound_chunk_rule_takes_boundaries(module) for module in modeling_modules(model)):
+        return False
     return all(layer.activation in FLA_CONV_ACTIVATIONS for layer in layers)
+
+
+def bound_chunk_rule_takes_boundaries(module: ModuleType) -> bool:
+    """Whether the chunk rule transformers bound in `module` passes `cu_seqlens` on: its wrapper (5.17,
+    `use_kernel_func_from_hub_with_fallback`) keeps the keywords the bound implementation names, in the closure
+    variable `applicable_params`. False when that cannot be read (another transformers): the per-document path."""
+    rule = getattr(module, CHUNK_RULE, None)
+    if rule is None:
+        return False
+    try:
+        names = inspect.getclosurevars(rule).nonlocals.get("applicable_params", ())
+    except TypeError:  # not a Python function
+        return False
+    return "cu_seqlens" in names
 
 
 @dataclass(frozen=True)
