@@ -251,7 +251,7 @@ class FeatureCapture:
         }
         write = self._slot_writer(features.view(1, rows * length, -1))
         with documents_attention_implementation(self.decoder.config), routed_varlen_convolutions(self.model):
-            final_hidden = self._run(input_ids.view(1, -1), position_ids.reshape(1, -1), write, forward_kwargs)
+            final_hidden = self._run(input_ids.reshape(1, -1), position_ids.reshape(1, -1), write, forward_kwargs)
         final_hidden = None if final_hidden is None else final_hidden.view(rows, length, -1)
         return TargetOutputs(features=features, final_hidden=final_hidden)
 
