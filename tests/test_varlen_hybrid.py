@@ -109,7 +109,7 @@ def test_the_path_is_chosen_only_where_its_kernels_run(tiny_qwen3_5, tiny_qwen3)
     assert not varlen_hybrid.varlen_hybrid_supported(tiny_qwen3_5, cpu)  # transformers' references: no boundaries
     assert not varlen_hybrid.varlen_hybrid_supported(tiny_qwen3, torch.device("cuda"))  # no linear attention
     assert FeatureCapture(tiny_qwen3_5, [0]).packing_path == "per_document"
-    assert varlen_hybrid.modeling_modules(tiny_qwen3_5) == [sys.modules[MODELING]]
+    assert varlen_hybrid.modeling_modules(tiny_qwen3_5) == (sys.modules[MODELING],)
 
 
 @pytest.mark.slow  # dynamo traces the hybrid's layers twice: ~11 s on 2 cores

@@ -34,7 +34,6 @@ references in place of the two kernels (the plumbing), the GPU tests with fla's 
 from __future__ import annotations
 
 import inspect
-import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -51,11 +50,10 @@ from ..decoding.hybrid_kernels import (
     routed_convolutions,
 )
 from .documents import DocumentLayout
+from .opaque_kernels import CHUNK_RULE, linear_attention_modules
 
-# The linear-attention layer class whose token mixing this path routes (transformers 5.17), and the name its
-# modeling module binds the chunked delta rule to.
+# The linear-attention layer class whose token mixing this path routes (transformers 5.17).
 GATED_DELTA_NET = "Qwen3_5GatedDeltaNet"
-CHUNK_RULE = "torch_chunk_gated_delta_rule"
 
 
 def linear_attention_layers(model: nn.Module) -> list[nn.Module]:
@@ -104,10 +102,9 @@ class Sequences:
         return {"cu_seq_lens_q": self.cu_seqlens, "cu_seqlens_cpu": self.cu_seqlens_cpu}
 
 
-def modeling_modules(model: nn.Module) -> list[ModuleType]:
-    """The modeling modules whose `causal_conv1d_fn` the linear-attention layers of `model` call."""
-    names = {type(layer).__module__ for layer in linear_attention_layers(model)}
-    return [sys.modules[name] for name in sorted(names)]
+def modeling_modules(model: nn.Module) -> tuple[ModuleType, ...]:
+    """The modeling modules whose kernels the linear-attention layers of `model` call by name."""
+    return linear_attention_modules(linear_attention_layers(model))
 
 
 @contextmanager
