@@ -91,12 +91,34 @@ def test_one_forward_over_the_flattened_batch_equals_each_document_alone(
     assert reference_kernels == {"conv": 2, "chunk": 2}
 
 
+def test_rows_of_one_document_take_the_same_path_with_a_segment_per_row(tiny_qwen3_5, reference_kernels):
+    input_ids = torch.randint(0, 200, (3, WIDTH), generator=torch.Generator().manual_seed(5))
+    plain = FeatureCapture(tiny_qwen3_5, [0, 2], need_final_hidden=True)
+    plain.packing_path = "per_document"  # the plain forward over whole rows, transformers' kernels
+    expected = plain.capture(input_ids)
+    reference_kernels.update(conv=0, chunk=0)
+    capture = FeatureCapture(tiny_qwen3_5, [0, 2], need_final_hidden=True)
+
+    rows = capture.capture(input_ids)
+
+    torch.testing.assert_close(rows.features, expected.features, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(rows.final_hidden, expected.final_hidden, rtol=1e-5, atol=1e-5)
+    assert reference_kernels == {"conv": 2, "chunk": 2}  # one forward over the rows as segments, not a plain one
+
+
+def test_a_whole_rows_layout_has_a_segment_per_row():
+    layout = DocumentLayout.whole_rows(3, 5, "cpu")
+    assert layout.boundaries() == (0, 5, 10, 15)
+    assert torch.equal(layout.segment_ids, torch.tensor([[0] * 5, [1] * 5, [2] * 5], dtype=torch.int32))
+    assert torch.equal(layout.positions(), torch.arange(5).expand(3, 5))
+
+
 def test_without_the_boundaries_the_flattened_rows_would_mix_documents(tiny_qwen3_5, reference_kernels):
     # Control: the same flattened forward with every row as one sequence carries state across documents.
     input_ids, doc_ids, documents = packed_batch(LENGTHS, WIDTH, seed=3)
     capture = FeatureCapture(tiny_qwen3_5, [2])
     layout = DocumentLayout.from_doc_ids(doc_ids)
-    whole_rows = DocumentLayout(layout.segment_ids, tuple(range(0, input_ids.numel() + 1, WIDTH)))
+    whole_rows = DocumentLayout(layout.segment_ids, DocumentLayout.whole_rows(3, WIDTH, "cpu").boundaries())
     mixed = capture._capture_varlen_hybrid(input_ids, layout.positions(), whole_rows, torch.empty(3, WIDTH, 64))
     alone = each_document_alone(FeatureCapture(tiny_qwen3_5, [2]), documents)
     r, start = 0, documents[0][1][0]  # row 0's second document

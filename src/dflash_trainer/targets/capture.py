@@ -27,7 +27,9 @@ running it alone gives, with positions that restart at every document:
 - `varlen_hybrid`: hybrids whose linear-attention layers can restart at every document by variable-length kernels
   (CUDA with flash-linear-attention, `varlen_hybrid.py`): the batch runs as one row of sequences, in one forward,
   with fla's convolution routed in for the duration and document attention in the attention layers.
-Rows of one document each (`doc_ids=None`) need neither: causal attention never looks past a row's end padding.
+Rows of one document each (`doc_ids=None`) need no document mask: causal attention never looks past a row's end
+padding. On the `varlen_hybrid` path they still run as one row of sequences, a row each, so that every batch
+takes the same kernels.
 
 Compiled layers (`compile_layers=True`, `target.compile`, CUDA training). An eager forward runs each norm, RoPE
 and activation as several unfused elementwise kernels: a small target is host-bound on them (SmolLM2-135M: 30
@@ -220,6 +222,15 @@ class FeatureCapture:
             rows, length, len(self.layer_ids) * self.hidden_size, dtype=self.dtype, device=input_ids.device
         )
         if doc_ids is None and documents is None:
+            if self.packing_path == "varlen_hybrid":
+                # Rows of one document take the packed rows' kernels too. Otherwise transformers runs its reference
+                # convolution here and fla tunes a second set of kernels for calls without boundaries (fla keys its
+                # tuning on IS_VARLEN): on the 27B bench (2026-12-02), where a row holds one or two documents, the
+                # target forward took 696 ms per step with such rows mixed in, against ~440 ms per 5.5K tokens for
+                # packed rows alone, and a step that met the other kernels first took 11 s.
+                layout = DocumentLayout.whole_rows(rows, length, input_ids.device)
+                positions = position_ids if position_ids is not None else layout.positions()
+                return self._capture_varlen_hybrid(input_ids, positions, layout, features)
             final_hidden = self._run(input_ids, position_ids, self._slot_writer(features))
             return TargetOutputs(features=features, final_hidden=final_hidden)
 

@@ -70,6 +70,14 @@ class DocumentLayout:
         return layout
 
     @classmethod
+    def whole_rows(cls, rows: int, length: int, device: torch.device | str) -> DocumentLayout:
+        """Every row one segment (its padding, if any, at the end of it: causal kernels never let it reach the
+        document), built without reading anything from the device."""
+        flat = torch.arange(rows * length, dtype=torch.int32, device=device)  # [R*T]
+        segment_ids = (flat // length).view(rows, length)  # [R, T], contiguous: one row of sequences is a view
+        return cls(segment_ids, tuple(range(0, rows * length + 1, length)))
+
+    @classmethod
     def from_device_doc_ids(cls, doc_ids: Tensor, boundaries: tuple[int, ...]) -> DocumentLayout:
         """The layout of device `doc_ids [R, T]` whose host `boundaries` were computed ahead (`host_boundaries` on
         the host copy, in the batch builder): segment ids are computed on the device, nothing waits on it."""
