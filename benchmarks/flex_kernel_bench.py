@@ -1,10 +1,10 @@
-"""flex_attention's kernel options (`drafter.flex_kernel_options`) on the drafter's real mask at the paper setting.
+"""flex_attention's kernel options (`drafter.flex_kernel_options`) on the drafter's real mask, paper or 27B setting.
 
 Run from the repository root on the GPU machine (a few minutes on one H200, most of it compiling the backward
 kernels):
 
     PYTHONPATH=src python3 benchmarks/flex_kernel_bench.py [--out flex_kernels.json] [--best best.overrides]
-        [--candidates candidates.json] [--autotune] [--layouts] [--repeats 20]
+        [--candidates candidates.json] [--autotune] [--layouts] [--repeats 20] [--setting paper|27b]
 
 One drafter layer's attention in `recipes/bench-qwen3-8b.yaml`: Qwen3-8B's heads (32 query, 8 key/value, head dim
 128), bf16, one packed row of 8,192 context tokens from documents 3072 + 3072 + 2048, 455 anchors per document,
@@ -22,6 +22,12 @@ IS_DIVISIBLE that `attend` passes. Each row also reports the median SM clock and
 dotted overrides (`drafter.flex_kernel_options.KEY=VALUE,...`, empty when the default wins) for a bench
 ablation. A candidate that does not compile (shared memory) is reported and skipped.
 
+`--setting 27b`: the seed's drafter on Qwen3.6-27B (`recipes/bench-qwen3.6-27b.yaml`): 24 query heads, 4 key/value
+heads, head dim 256, blocks of 32, up to 1,024 anchors per document, every layer sliding (window 2,048, causal in
+the block), one 8,192-token row of the bench's long-reply documents (`bench.long_reply_documents`), with candidates
+around Inductor's Hopper default for head dim 256 (`backward_tiles(64, 64, 64, 64, 2, 4)`). There, on 2026-12-02,
+flex's backward took 38.6 ms per layer against 5.9 ms for its forward (BENCHMARKS.md), 23.7 % of the drafter step.
+
 2026-12-01 (BENCHMARKS.md, commit 32537ae): no candidate beat Inductor's default; `--layouts` showed the training
 step's flex 1.44x slower than static sizes, fixed by telling flex its lengths are whole tiles (model/attention.py).
 """
@@ -32,20 +38,36 @@ import argparse
 import json
 import sys
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from flex_mask_bench import layout, median_ms  # benchmarks/ is on sys.path when run as a script
 from torch.nn.attention.flex_attention import flex_attention
 
-from dflash_trainer.bench import paper_documents
+from dflash_trainer.bench import long_reply_documents, paper_documents
 from dflash_trainer.config import flex_kernel_option_problem
 from dflash_trainer.flex import TILE
 from dflash_trainer.gpu_monitor import GpuMonitor, describe
 from dflash_trainer.model.attention import block_mask_from_tables, mask_from_ranges, tile_tables
 
-HEADS, KV_HEADS, HEAD_DIM, LAYERS = 32, 8, 128, 5
-LENGTH, ANCHORS_PER_DOC, BLOCK = 8192, 455, 16
+LENGTH, LAYERS = 8192, 5
+
+
+@dataclass(frozen=True)
+class FlexSetting:
+    """One drafter layer's attention: heads, the mask's block, anchors and window, the documents of the row."""
+
+    heads: int
+    kv_heads: int
+    head_dim: int
+    block: int
+    anchors_per_doc: int
+    window: int | None
+    causal_in_block: bool
+    documents: Callable
+    candidates: list[dict[str, int | bool]]
 
 
 def backward_tiles(m1: int, n1: int, m2: int, n2: int, stages: int, warps: int) -> dict[str, int]:
@@ -61,7 +83,7 @@ def backward_tiles(m1: int, n1: int, m2: int, n2: int, stages: int, warps: int) 
 
 # Inductor's default on Hopper at head dim 128 is backward_tiles(64, 128, 128, 64, 3, 8) (template_heuristics);
 # around it: fewer stages or warps, narrower query tiles, the square 64 tiles, and the dQ writes moved.
-DEFAULT_CANDIDATES: list[dict[str, int | bool]] = [
+PAPER_CANDIDATES: list[dict[str, int | bool]] = [
     {},
     backward_tiles(64, 128, 128, 64, 2, 8),
     backward_tiles(64, 128, 128, 64, 3, 4),
@@ -70,6 +92,25 @@ DEFAULT_CANDIDATES: list[dict[str, int | bool]] = [
     backward_tiles(32, 64, 64, 32, 3, 4),
     {"bwd_WRITE_DQ": False},
 ]
+# At head dim 256 Inductor's Hopper default is backward_tiles(64, 64, 64, 64, 2, 4): a 64 x 256 bf16 tile is 32 KiB,
+# so K and V of 64 keys plus two stages of Q and dO take 192 KiB of the 227 KiB of shared memory. Around it: twice
+# the warps (the tile's dot products are 4x those at head dim 64 per warp), one stage with wider key tiles,
+# narrower query tiles with more stages, and the dQ writes moved. One that does not fit fails and is skipped.
+HEAD_DIM_256_CANDIDATES: list[dict[str, int | bool]] = [
+    {},
+    backward_tiles(64, 64, 64, 64, 2, 8),
+    backward_tiles(64, 64, 64, 64, 1, 8),
+    backward_tiles(64, 64, 64, 64, 1, 4),
+    backward_tiles(32, 64, 64, 32, 2, 4),
+    backward_tiles(32, 64, 64, 32, 3, 4),
+    backward_tiles(32, 128, 128, 32, 1, 8),
+    backward_tiles(64, 128, 128, 64, 1, 8),
+    {"bwd_WRITE_DQ": False},
+]
+SETTINGS = {
+    "paper": FlexSetting(32, 8, 128, 16, 455, None, False, paper_documents, PAPER_CANDIDATES),
+    "27b": FlexSetting(24, 4, 256, 32, 1024, 2048, True, long_reply_documents, HEAD_DIM_256_CANDIDATES),
+}
 
 
 # Largest difference from the first candidate's outputs and gradients that is still bf16 rounding (tiles sum in
@@ -83,6 +124,7 @@ def candidate_name(options: dict) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--setting", choices=sorted(SETTINGS), default="paper", help="the drafter's attention shape")
     parser.add_argument("--candidates", type=Path, help="JSON list of kernel-option dicts (default: built in)")
     parser.add_argument("--autotune", action="store_true", help="also time Inductor's max-autotune pick")
     parser.add_argument(
@@ -100,14 +142,18 @@ def main() -> None:
     parser.add_argument("--best", type=Path, help="write the fastest candidate as dotted overrides here")
     args = parser.parse_args()
 
-    candidates = json.loads(args.candidates.read_text()) if args.candidates else DEFAULT_CANDIDATES
+    setting = SETTINGS[args.setting]
+    heads, kv_heads, head_dim, block = setting.heads, setting.kv_heads, setting.head_dim, setting.block
+    candidates = json.loads(args.candidates.read_text()) if args.candidates else setting.candidates
     for options in candidates:
         problems = [f"{k}: {p}" for k, v in options.items() if (p := flex_kernel_option_problem(k, v))]
         if problems:
             sys.exit(f"flex_kernel_bench: candidate {options}: {'; '.join(problems)}")
-    anchors, keep, doc_ids = layout(1, LENGTH, ANCHORS_PER_DOC, BLOCK, args.seed, documents=paper_documents)
-    table = tile_tables(anchors=anchors, anchor_keep=keep, doc_ids=doc_ids, block_size=BLOCK, tile=TILE)
-    q_len, kv_len = anchors.shape[1] * BLOCK, LENGTH + anchors.shape[1] * BLOCK
+    anchors, keep, doc_ids = layout(1, LENGTH, setting.anchors_per_doc, block, args.seed, documents=setting.documents)
+    table = tile_tables(
+        anchors=anchors, anchor_keep=keep, doc_ids=doc_ids, block_size=block, window=setting.window, tile=TILE
+    )
+    q_len, kv_len = anchors.shape[1] * block, LENGTH + anchors.shape[1] * block
     visited = int(table.kv_num_blocks.sum() + table.full_kv_num_blocks.sum())
     print(
         f"Q {q_len} ({int(keep.sum())} anchors kept), KV {kv_len}, {visited} tiles of {TILE}x{TILE} visited per head "
@@ -120,14 +166,21 @@ def main() -> None:
     table = table.to(device)
     mask = block_mask_from_tables(
         table,
-        mask_from_ranges(table.lo, table.hi, block_size=BLOCK, context_len=LENGTH, causal_in_block=False),
+        mask_from_ranges(
+            table.lo,
+            table.hi,
+            block_size=block,
+            context_len=LENGTH,
+            window=setting.window,
+            causal_in_block=setting.causal_in_block,
+        ),
         q_len=q_len,
         kv_len=kv_len,
     )
     gen = torch.Generator(device=device).manual_seed(args.seed)
     q, k, v = (
-        torch.randn(1, heads, n, HEAD_DIM, generator=gen, device=device, dtype=torch.bfloat16)
-        for heads, n in ((HEADS, q_len), (KV_HEADS, kv_len), (KV_HEADS, kv_len))
+        torch.randn(1, h, n, head_dim, generator=gen, device=device, dtype=torch.bfloat16)
+        for h, n in ((heads, q_len), (kv_heads, kv_len), (kv_heads, kv_len))
     )
     grad_out = torch.randn_like(q)
     # The layouts the drafter's layers hand flex: heads transposed out of [R, S, H, D] projections (strided views).
@@ -135,14 +188,14 @@ def main() -> None:
         name: t.transpose(1, 2).contiguous().transpose(1, 2)
         for name, t in zip("qkvg", (q, k, v, grad_out), strict=True)
     }
-    fwd_flop = visited * HEADS * 4 * TILE * TILE * HEAD_DIM  # of the visited tiles; backward 2.5x
+    fwd_flop = visited * heads * 4 * TILE * TILE * head_dim  # of the visited tiles; backward 2.5x
 
     def timed(name: str, options: dict, flex, layout: str = "contiguous") -> dict:
         inputs = (q, k, v, grad_out) if layout == "contiguous" else tuple(strided[n] for n in "qkvg")
 
         def run(backward: bool) -> list[torch.Tensor]:
             leaves = [t.detach().requires_grad_(backward) for t in inputs[:3]]
-            out = flex(*leaves, block_mask=mask, scale=HEAD_DIM**-0.5, enable_gqa=True, kernel_options=options or None)
+            out = flex(*leaves, block_mask=mask, scale=head_dim**-0.5, enable_gqa=True, kernel_options=options or None)
             return [out, *torch.autograd.grad(out, leaves, inputs[3])] if backward else [out]
 
         started = time.perf_counter()
@@ -220,7 +273,8 @@ def main() -> None:
     for r in results:
         if "fwd_bwd_ms" in r and not r["max_abs_diff"] <= SAME_RESULT:
             print(f"{r['name']}: differs from the default by {r['max_abs_diff']:.3g} (> {SAME_RESULT}): never the best")
-    args.out.write_text(json.dumps({"gpu": torch.cuda.get_device_name(), "q_len": q_len, "results": results}, indent=2))
+    summary = {"gpu": torch.cuda.get_device_name(), "setting": args.setting, "q_len": q_len, "results": results}
+    args.out.write_text(json.dumps(summary, indent=2))
     if args.best and timed_ok:
         # Only the candidates the config accepts (the autotuned one is Inductor's choice, named in its log).
         best = min((r for r in timed_ok if r["name"] in map(candidate_name, candidates)), key=lambda r: r["fwd_bwd_ms"])

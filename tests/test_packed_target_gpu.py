@@ -186,15 +186,23 @@ def test_gpu_hybrid_packed_rows_equal_each_document_alone(path, monkeypatch):
     assert capture.packing_path == path
     input_ids, doc_ids = packed_rows([[70, 130, 50], [3, 200, 17, 9]], 256)
 
+    # Each document alone through the plain forward (a row of one document would take the one-forward path too).
+    reference = FeatureCapture(model, [0, 2, 3], need_final_hidden=True)
+    reference.packing_path = "per_document"
+
     packed = capture.capture(input_ids, None, doc_ids)
 
     for r, row in enumerate([[70, 130, 50], [3, 200, 17, 9]]):
         start = 0
         for n in row:
-            alone = capture.capture(input_ids[r : r + 1, start : start + n])
+            alone = reference.capture(input_ids[r : r + 1, start : start + n])
             assert relative_error(packed.features[r, start : start + n], alone.features[0]) < 1e-2
             assert relative_error(packed.final_hidden[r, start : start + n], alone.final_hidden[0]) < 1e-2
             start += n
+    # Rows without a document layout (one document each): a segment per row on the one-forward path.
+    whole_rows, plain = capture.capture(input_ids), reference.capture(input_ids)
+    assert relative_error(whole_rows.features, plain.features) < 1e-2
+    assert relative_error(whole_rows.final_hidden, plain.final_hidden) < 1e-2
 
 
 def test_gpu_fp8_linear_is_the_product_of_the_quantised_operands():
