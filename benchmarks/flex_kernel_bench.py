@@ -95,7 +95,8 @@ PAPER_CANDIDATES: list[dict[str, int | bool]] = [
 # At head dim 256 Inductor's Hopper default is backward_tiles(64, 64, 64, 64, 2, 4): a 64 x 256 bf16 tile is 32 KiB,
 # so K and V of 64 keys plus two stages of Q and dO take 192 KiB of the 227 KiB of shared memory. Around it: twice
 # the warps (the tile's dot products are 4x those at head dim 64 per warp), one stage with wider key tiles,
-# narrower query tiles with more stages, and the dQ writes moved. One that does not fit fails and is skipped.
+# narrower query tiles with more stages, the small square tiles (the fastest that fit on sm_12x at head dim 256,
+# pytorch/pytorch#198228), and the dQ writes moved. One that does not fit fails and is skipped.
 HEAD_DIM_256_CANDIDATES: list[dict[str, int | bool]] = [
     {},
     backward_tiles(64, 64, 64, 64, 2, 8),
@@ -103,6 +104,7 @@ HEAD_DIM_256_CANDIDATES: list[dict[str, int | bool]] = [
     backward_tiles(64, 64, 64, 64, 1, 4),
     backward_tiles(32, 64, 64, 32, 2, 4),
     backward_tiles(32, 64, 64, 32, 3, 4),
+    backward_tiles(32, 32, 32, 32, 2, 4),
     backward_tiles(32, 128, 128, 32, 1, 8),
     backward_tiles(64, 128, 128, 64, 1, 8),
     {"bwd_WRITE_DQ": False},
