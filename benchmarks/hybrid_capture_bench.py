@@ -18,6 +18,7 @@ A path stops after a call over 40 s once three have run.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import random
 import sys
 import time
@@ -68,11 +69,7 @@ def main(argv: list[str]) -> int:
             profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) if profile else None
             torch.cuda.synchronize(device)
             start = time.perf_counter()
-            if profiler is not None:
-                with profiler:
-                    capture.capture(ids, documents=layout)
-                    torch.cuda.synchronize(device)
-            else:
+            with profiler or contextlib.nullcontext():
                 capture.capture(ids, documents=layout)
                 torch.cuda.synchronize(device)
             seconds = time.perf_counter() - start
