@@ -2,8 +2,8 @@
 
 - varlen flash and compiled flex attention give the features dense SDPA gives, in bf16, on a tiny and a mid-size
   random model (with a sliding-window variant), rows with padding and with many documents;
-- both paths of a hybrid (one forward with fla's variable-length kernels; per-document rows) equal running each
-  document alone on the GPU kernels;
+- both paths of a hybrid (one forward with fla's variable-length kernels; per-document rows) are as accurate, against
+  float32, as running each document alone through the plain bf16 forward;
 - `Fp8Linear` on the GPU kernel equals the float64 product of its quantised operands, and FP8 features stay within
   the error measured for the same model on CPU.
 """
@@ -157,9 +157,16 @@ def test_gpu_compiled_target_layers_give_the_eager_features_without_recompiling(
 
 
 @pytest.mark.parametrize("path", ["varlen_hybrid", "per_document"])
-def test_gpu_hybrid_packed_rows_equal_each_document_alone(path, monkeypatch):
+def test_gpu_hybrid_packed_rows_are_as_accurate_as_each_document_alone(path, monkeypatch):
     """Both paths of a hybrid on fla's kernels: one forward with the sequences' boundaries (where fla runs), and the
-    per-document rows."""
+    per-document rows, each as accurate as running every document alone through the plain bf16 forward.
+
+    The reference is the same model in float32, each document alone. bf16 against bf16 is no reference: the
+    one-forward path runs fla's variable-length kernels and the plain forward its fixed-length ones, which round
+    differently, so the two differ from each other by about as much as each differs from float32 (1.08 % between them
+    on an H200, where a direct 1 % bound failed). The packed capture's error must stay within 1.5x the plain forward's,
+    over all documents together, so a wrong boundary (a state carried across documents) fails by far: it puts the
+    error near 100 % on the documents that follow it."""
     if path == "per_document":
         monkeypatch.setattr(capture_module, "varlen_hybrid_supported", lambda model, device: False)
     elif not fla_available():
@@ -184,25 +191,46 @@ def test_gpu_hybrid_packed_rows_equal_each_document_alone(path, monkeypatch):
         model = Qwen3_5ForCausalLM(config).to(torch.bfloat16).eval()
     capture = FeatureCapture(model, [0, 2, 3], need_final_hidden=True)
     assert capture.packing_path == path
-    input_ids, doc_ids = packed_rows([[70, 130, 50], [3, 200, 17, 9]], 256)
+    lengths = [[70, 130, 50], [3, 200, 17, 9]]
+    input_ids, doc_ids = packed_rows(lengths, 256)
 
-    # Each document alone through the plain forward (a row of one document would take the one-forward path too).
-    reference = FeatureCapture(model, [0, 2, 3], need_final_hidden=True)
-    reference.packing_path = "per_document"
+    # Each document alone through the plain forward (a row of one document would take the one-forward path too),
+    # in bf16 and in float32.
+    plain = FeatureCapture(model, [0, 2, 3], need_final_hidden=True)
+    plain.packing_path = "per_document"
+    exact = FeatureCapture(copy.deepcopy(model).float(), [0, 2, 3], need_final_hidden=True)
+    exact.packing_path = "per_document"
+
+    def per_document(fn) -> tuple[torch.Tensor, torch.Tensor]:
+        """`fn(row, start, n)` -> (features [n, K*H], final hidden [n, H]) for every document, concatenated."""
+        parts = [fn(r, start, n) for r, row in enumerate(lengths) for start, n in zip(offsets(row), row, strict=True)]
+        return torch.cat([f for f, _ in parts]), torch.cat([h for _, h in parts])
+
+    def alone(capture: FeatureCapture):
+        def run(r: int, start: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+            out = capture.capture(input_ids[r : r + 1, start : start + n])
+            return out.features[0], out.final_hidden[0]
+
+        return run
 
     packed = capture.capture(input_ids, None, doc_ids)
-
-    for r, row in enumerate([[70, 130, 50], [3, 200, 17, 9]]):
-        start = 0
-        for n in row:
-            alone = reference.capture(input_ids[r : r + 1, start : start + n])
-            assert relative_error(packed.features[r, start : start + n], alone.features[0]) < 1e-2
-            assert relative_error(packed.final_hidden[r, start : start + n], alone.final_hidden[0]) < 1e-2
-            start += n
+    got = per_document(
+        lambda r, start, n: (packed.features[r, start : start + n], packed.final_hidden[r, start : start + n])
+    )
+    bf16_alone, want = per_document(alone(plain)), per_document(alone(exact))
+    for name, actual, yardstick, reference in zip(["features", "final hidden"], got, bf16_alone, want, strict=True):
+        error, plain_error = relative_error(actual, reference), relative_error(yardstick, reference)
+        assert error <= 1.5 * plain_error, f"{name}: {error:.4f} from float32, the plain bf16 forward {plain_error:.4f}"
     # Rows without a document layout (one document each): a segment per row on the one-forward path.
-    whole_rows, plain = capture.capture(input_ids), reference.capture(input_ids)
-    assert relative_error(whole_rows.features, plain.features) < 1e-2
-    assert relative_error(whole_rows.final_hidden, plain.final_hidden) < 1e-2
+    whole_rows, rows_exact, rows_plain = capture.capture(input_ids), exact.capture(input_ids), plain.capture(input_ids)
+    for field in ("features", "final_hidden"):
+        error = relative_error(getattr(whole_rows, field), getattr(rows_exact, field))
+        assert error <= 1.5 * relative_error(getattr(rows_plain, field), getattr(rows_exact, field)), field
+
+
+def offsets(lengths: list[int]) -> list[int]:
+    """Where each document starts in its packed row."""
+    return [sum(lengths[:i]) for i in range(len(lengths))]
 
 
 def test_gpu_fp8_linear_is_the_product_of_the_quantised_operands():
