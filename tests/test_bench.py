@@ -69,6 +69,8 @@ def test_bench_times_every_phase_and_each_ablations_drafter_step(tmp_path, monke
     # No nvidia-smi on the CPU: no clock; the compile breakdown is a dict of seconds (empty when nothing compiled).
     assert all(r["sm_clock_mhz"] is None and r["power_w"] is None for r in saved)
     assert all(all(s >= 0 for s in r["first_step_compile_stages"].values()) for r in saved)
+    assert all(r["data_tokens_per_step"] > 0 for r in saved)
+    assert all(len(r["step_tokens"]) == 2 and min(r["step_tokens"]) > 0 for r in saved)
 
 
 def test_the_recipe_target_picks_the_shape_and_documents_and_documents_override_them():
@@ -179,3 +181,17 @@ def test_each_phase_starts_with_the_previous_phases_trainer_and_compiled_layers_
             gc.enable()
     assert len(drafter_weights) == 3
     assert alive_on_entry == {"drafter_only": [], "end_to_end": [0], "end_to_end[chunks]": [0, 0]}
+
+
+def test_the_data_tokens_per_step_are_the_epochs_tokens_over_its_steps():
+    """Ten documents of 100 tokens, two per 250-token row, one row per step: five steps of 200 tokens each."""
+    from types import SimpleNamespace
+
+    from dflash_trainer.data.sampler import TokenBudgetSampler
+
+    sampler = TokenBudgetSampler([100] * 10, token_budget=250, max_seq_len=250, max_batch_size=8, packing=True, seed=0)
+    assert len(sampler) == 5
+    assert bench.data_tokens_per_step(SimpleNamespace(sampler=sampler)) == 200.0
+    # One document per step: each step holds its document only.
+    lone = TokenBudgetSampler([100, 300], token_budget=300, max_seq_len=300, max_batch_size=8, packing=True, seed=0)
+    assert bench.data_tokens_per_step(SimpleNamespace(sampler=lone)) == 200.0

@@ -107,6 +107,8 @@ class PhaseResult:
     step_ms: list[float] = field(default_factory=list)
     step_compiles: list[int] = field(default_factory=list)
     step_triton_compiles: list[int | None] = field(default_factory=list)
+    # Every timed step's target tokens: with the step's ms, the split of a step into a per-token and a fixed part.
+    step_tokens: list[int] = field(default_factory=list)
     # Stage -> average ms per step over the profiled steps.
     stages_ms: dict[str, float] = field(default_factory=dict)
     # Where the device memory goes (CUDA): GiB held across steps by owner (`resident_memory`), and per stage of the
@@ -115,6 +117,12 @@ class PhaseResult:
     stage_memory_gib: dict[str, tuple[float, float]] = field(default_factory=dict)
     # The top kernels over PROFILED_STEPS more steps (`--kernels`), None when not asked for.
     kernel_profile: KernelProfile | None = None
+
+    # Mean tokens per step over the whole epoch the sampler planned (None when unknown): tokens/s comes from the
+    # timed steps only, and with documents of 4-8K tokens, one per step, a few steps can hold 15 % fewer tokens than
+    # the data does. Where the drafter's work is fixed per document (1,024 anchors each), fewer tokens per step is a
+    # lower rate, so a reader compares the two before comparing runs that timed different steps.
+    data_tokens_per_step: float | None = None
 
     # Why the phase has no numbers (it ran out of device memory); None when it ran.
     error: str | None = None
@@ -335,11 +343,19 @@ def time_steps(
         step_ms=[1e3 * t for t in times],
         step_compiles=step_compiles,
         step_triton_compiles=step_triton,
+        step_tokens=tokens,
         stages_ms=stages,
         resident_gib=resident_memory(trainer) if device.type == "cuda" else {},
         stage_memory_gib=stage_memory,
         kernel_profile=kernel_profile,
+        data_tokens_per_step=data_tokens_per_step(trainer),
     )
+
+
+def data_tokens_per_step(trainer: Trainer) -> float | None:
+    """The epoch's tokens over its steps on this rank (one rank: every document once)."""
+    steps = len(trainer.sampler)
+    return float(trainer.sampler.lengths.sum()) / steps if steps else None
 
 
 def resident_memory(trainer: Trainer) -> dict[str, float]:
@@ -650,6 +666,11 @@ def print_phase(r: PhaseResult) -> None:
     )
     if r.first_step_frames:
         print(f"{'':>32}  first step's frames: {describe_frames(r.first_step_frames)}")
+    if r.data_tokens_per_step and abs(r.tokens_per_step / r.data_tokens_per_step - 1) > 0.05:
+        print(
+            f"{'':>32}  the timed steps hold {r.tokens_per_step:.0f} tokens on average, the data "
+            f"{r.data_tokens_per_step:.0f} per step: time more steps (--steps) before comparing tokens/s"
+        )
     if r.step_ms and (max(r.step_ms) > 1.2 * min(r.step_ms) or any(r.step_compiles) or any(r.step_triton_compiles)):
         # Uneven or compiling steps: each one, to tell a slow steady state from a few hit steps.
         print(f"{'':>32}  timed steps (ms): {r.describe_steps()}")
