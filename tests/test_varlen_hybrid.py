@@ -134,6 +134,20 @@ def test_the_path_is_chosen_only_where_its_kernels_run(tiny_qwen3_5, tiny_qwen3)
     assert varlen_hybrid.modeling_modules(tiny_qwen3_5) == (sys.modules[MODELING],)
 
 
+def test_the_reason_a_hybrid_is_off_the_path_names_what_is_missing(tiny_qwen3_5, tiny_qwen3, monkeypatch):
+    """What the trainer logs for a hybrid target on a GPU off the one-forward path (slower, still correct)."""
+    cuda = torch.device("cuda")  # only its type is read
+    assert "no linear-attention" in varlen_hybrid.why_not_varlen_hybrid(tiny_qwen3, cuda)
+    assert "CUDA only" in varlen_hybrid.why_not_varlen_hybrid(tiny_qwen3_5, torch.device("cpu"))
+    monkeypatch.setattr(varlen_hybrid, "causal_conv1d_installed", lambda: False)
+    monkeypatch.setattr(varlen_hybrid, "fla_available", lambda: False)
+    assert "pip install flash-linear-attention" in varlen_hybrid.why_not_varlen_hybrid(tiny_qwen3_5, cuda)
+    monkeypatch.setattr(varlen_hybrid, "fla_available", lambda: True)
+    monkeypatch.setattr(varlen_hybrid, "bound_chunk_rule_takes_boundaries", lambda module: True)
+    assert varlen_hybrid.why_not_varlen_hybrid(tiny_qwen3_5, cuda) is None
+    assert varlen_hybrid.varlen_hybrid_supported(tiny_qwen3_5, cuda)
+
+
 @pytest.mark.slow  # dynamo traces the hybrid's layers twice: ~11 s on 2 cores
 def test_compiled_layers_on_the_one_forward_path_give_the_eager_features(tiny_qwen3_5, reference_kernels, monkeypatch):
     """`target.compile`: the kernels are opaque ops in the compiled layers (`opaque_kernels.py`) and must receive the

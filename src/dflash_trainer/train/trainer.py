@@ -76,6 +76,7 @@ from ..targets.capture import (
     lm_head_module,
 )
 from ..targets.loader import LoadedTarget, load_target, resolve_mask_token_id
+from ..targets.varlen_hybrid import linear_attention_layers, why_not_varlen_hybrid
 from . import checkpoint as ckpt
 from .batch import TrainBatch
 from .data_setup import load_training_data, plan_to_host_batch
@@ -247,6 +248,13 @@ class Trainer:
             need_final_hidden=self.config.loss.label_source != "data",
             compile_layers=self.config.target.compile and self.device.type == "cuda",
         )
+        hybrid = bool(linear_attention_layers(self.target.model))
+        if hybrid and self.capture.packing_path == "per_document" and self.device.type == "cuda":
+            # A hybrid target off its fast path still trains, correctly and much slower: say why, once.
+            reason = why_not_varlen_hybrid(self.target.model, self.device) or (
+                "its attention layers cannot run document attention over one row of sequences"
+            )
+            self.log(f"target: linear-attention layers run each document as a row of its own, because {reason}")
         self.embed = embedding_module(self.target.model)
         self.lm_head = lm_head_module(self.target.model)
         deepest = max(self.model_config.target_layer_ids)
