@@ -50,6 +50,12 @@ case "$STAGE" in
     echo "started: $(grep -c '^mkdir' "$runner") jobs from $queue"
     ;;
   wait)
+    if ! ls "$RES"/run-queue-*.sh > /dev/null 2>&1; then
+      # A machine that lost its /tmp (reclaimed while idle, then started afresh) has no queue to wait for: say so at
+      # once rather than poll an empty folder until the deadline.
+      echo "no queue on this machine ($RES holds none): start one first"
+      exit 3
+    fi
     deadline=$((SECONDS + ${2:-540}))
     while [ $SECONDS -lt $deadline ]; do
       echo "--- $(date +%T)"
