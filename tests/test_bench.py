@@ -195,3 +195,18 @@ def test_the_data_tokens_per_step_are_the_epochs_tokens_over_its_steps():
     # One document per step: each step holds its document only.
     lone = TokenBudgetSampler([100, 300], token_budget=300, max_seq_len=300, max_batch_size=8, packing=True, seed=0)
     assert bench.data_tokens_per_step(SimpleNamespace(sampler=lone)) == 200.0
+
+
+def test_the_rate_at_the_data_mean_comes_from_a_line_through_the_timed_steps():
+    """Steps of 0.8 s fixed + 80 us per token, timed on short steps, give the rate of a step of the data's mean."""
+    tokens = [4200, 5100, 4700, 6900, 4400]
+    seconds = [0.8 + 80e-6 * n for n in tokens]
+    expected = 6248 / (0.8 + 80e-6 * 6248)
+    assert bench.rate_at_data_mean(tokens, seconds, 6248.0) == pytest.approx(expected, rel=1e-9)
+    # The raw rate of those steps is lower: the fixed part weighs more on short steps.
+    assert sum(tokens) / sum(seconds) < 0.95 * expected
+    # No line from steps all of one size (a replayed batch), from too few steps, or with a negative part.
+    assert bench.rate_at_data_mean([5000] * 5, [1.2] * 5, 6248.0) is None
+    assert bench.rate_at_data_mean(tokens[:3], seconds[:3], 6248.0) is None
+    assert bench.rate_at_data_mean(tokens, [2.0 - 1e-4 * n for n in tokens], 6248.0) is None
+    assert bench.rate_at_data_mean(tokens, seconds, None) is None

@@ -123,6 +123,10 @@ class PhaseResult:
     # the data does. Where the drafter's work is fixed per document (1,024 anchors each), fewer tokens per step is a
     # lower rate, so a reader compares the two before comparing runs that timed different steps.
     data_tokens_per_step: float | None = None
+    # Tokens/s at the data's mean step, from a least-squares line through the timed steps' (tokens, ms)
+    # (`rate_at_data_mean`): the rate a whole epoch would run at, free of which steps happened to be timed. None when
+    # the timed steps are too few or too alike in size to fit a line (the drafter-only phase replays one batch).
+    tokens_per_s_at_data_mean: float | None = None
 
     # Why the phase has no numbers (it ran out of device memory); None when it ran.
     error: str | None = None
@@ -349,6 +353,7 @@ def time_steps(
         stage_memory_gib=stage_memory,
         kernel_profile=kernel_profile,
         data_tokens_per_step=data_tokens_per_step(trainer),
+        tokens_per_s_at_data_mean=rate_at_data_mean(tokens, times, data_tokens_per_step(trainer)),
     )
 
 
@@ -356,6 +361,21 @@ def data_tokens_per_step(trainer: Trainer) -> float | None:
     """The epoch's tokens over its steps on this rank (one rank: every document once)."""
     steps = len(trainer.sampler)
     return float(trainer.sampler.lengths.sum()) / steps if steps else None
+
+
+def rate_at_data_mean(tokens: list[int], seconds: list[float], data_mean: float | None) -> float | None:
+    """Tokens/s of a step holding `data_mean` tokens, from the line `seconds = fixed + per_token * tokens` fitted to
+    the timed steps by least squares. Why a line: a step's target forward grows with its tokens while the drafter's
+    work is set by its documents' anchors (1,024 each at the seed's setting), so a step is a fixed part plus a
+    per-token part; and the epoch's rate is its tokens over its time, which for a line is the rate at the mean step.
+    None with fewer than 4 steps, with steps whose sizes spread less than 10 %, or with a fit that is not a cost
+    (a negative part: noise larger than the size effect)."""
+    if data_mean is None or len(tokens) < 4 or max(tokens) < 1.1 * min(tokens):
+        return None
+    per_token, fixed = np.polyfit(np.asarray(tokens, dtype=np.float64), np.asarray(seconds, dtype=np.float64), 1)
+    if per_token < 0 or fixed < 0:
+        return None
+    return float(data_mean / (fixed + per_token * data_mean))
 
 
 def resident_memory(trainer: Trainer) -> dict[str, float]:
@@ -667,9 +687,14 @@ def print_phase(r: PhaseResult) -> None:
     if r.first_step_frames:
         print(f"{'':>32}  first step's frames: {describe_frames(r.first_step_frames)}")
     if r.data_tokens_per_step and abs(r.tokens_per_step / r.data_tokens_per_step - 1) > 0.05:
+        at_mean = (
+            f"; fitted over the timed steps, {r.tokens_per_s_at_data_mean:.0f} tokens/s at the data's mean"
+            if r.tokens_per_s_at_data_mean
+            else ": time more steps (--steps) before comparing tokens/s"
+        )
         print(
             f"{'':>32}  the timed steps hold {r.tokens_per_step:.0f} tokens on average, the data "
-            f"{r.data_tokens_per_step:.0f} per step: time more steps (--steps) before comparing tokens/s"
+            f"{r.data_tokens_per_step:.0f} per step{at_mean}"
         )
     if r.step_ms and (max(r.step_ms) > 1.2 * min(r.step_ms) or any(r.step_compiles) or any(r.step_triton_compiles)):
         # Uneven or compiling steps: each one, to tell a slow steady state from a few hit steps.
