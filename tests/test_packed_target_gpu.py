@@ -165,8 +165,8 @@ def test_gpu_hybrid_packed_rows_are_as_accurate_as_each_document_alone(path, mon
     one-forward path runs fla's variable-length kernels and the plain forward its fixed-length ones, which round
     differently, so the two differ from each other by about as much as each differs from float32 (1.08 % between them
     on an H200, where a direct 1 % bound failed). The packed capture's error must stay within 1.5x the plain forward's,
-    over all documents together, so a wrong boundary (a recurrent state that crosses documents) fails by far: it puts the
-    error near 100 % on the documents that follow it."""
+    over all documents together, so a wrong boundary (a recurrent state that crosses documents) fails by far: it puts
+    the error near 100 % on the documents that follow it."""
     if path == "per_document":
         monkeypatch.setattr(capture_module, "varlen_hybrid_supported", lambda model, device: False)
     elif not fla_available():
