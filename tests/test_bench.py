@@ -210,3 +210,12 @@ def test_the_rate_at_the_data_mean_comes_from_a_line_through_the_timed_steps():
     assert bench.rate_at_data_mean(tokens[:3], seconds[:3], 6248.0) is None
     assert bench.rate_at_data_mean(tokens, [2.0 - 1e-4 * n for n in tokens], 6248.0) is None
     assert bench.rate_at_data_mean(tokens, seconds, None) is None
+    # Steps that compiled (a kernel autotuned for a new length) are left out of the line; the steady steps still fit.
+    hit = [*seconds[:2], 7.3, *seconds[2:], 10.1]
+    compiling = [False, False, True, False, False, False, True]
+    assert bench.rate_at_data_mean([*tokens[:2], 6400, *tokens[2:], 6800], hit, 6248.0, compiling) == pytest.approx(
+        expected, rel=1e-9
+    )
+    assert (
+        bench.rate_at_data_mean([*tokens[:3], 6400], [*seconds[:3], 7.3], 6248.0, [False, False, False, True]) is None
+    )

@@ -353,7 +353,12 @@ def time_steps(
         stage_memory_gib=stage_memory,
         kernel_profile=kernel_profile,
         data_tokens_per_step=data_tokens_per_step(trainer),
-        tokens_per_s_at_data_mean=rate_at_data_mean(tokens, times, data_tokens_per_step(trainer)),
+        tokens_per_s_at_data_mean=rate_at_data_mean(
+            tokens,
+            times,
+            data_tokens_per_step(trainer),
+            [bool(c) or bool(t) for c, t in zip(step_compiles, step_triton, strict=True)],
+        ),
     )
 
 
@@ -363,13 +368,22 @@ def data_tokens_per_step(trainer: Trainer) -> float | None:
     return float(trainer.sampler.lengths.sum()) / steps if steps else None
 
 
-def rate_at_data_mean(tokens: list[int], seconds: list[float], data_mean: float | None) -> float | None:
+def rate_at_data_mean(
+    tokens: list[int], seconds: list[float], data_mean: float | None, compiling: list[bool] | None = None
+) -> float | None:
     """Tokens/s of a step holding `data_mean` tokens, from the line `seconds = fixed + per_token * tokens` fitted to
     the timed steps by least squares. Why a line: a step's target forward grows with its tokens while the drafter's
     work is set by its documents' anchors (1,024 each at the seed's setting), so a step is a fixed part plus a
     per-token part; and the epoch's rate is its tokens over its time, which for a line is the rate at the mean step.
     None with fewer than 4 steps, with steps whose sizes spread less than 10 %, or with a fit that is not a cost
-    (a negative part: noise larger than the size effect)."""
+    (a negative part: noise larger than the size effect).
+
+    Steps flagged in `compiling` (a frame or a Triton kernel compiled during the step) are left out of the fit: a
+    hybrid target's flash-linear-attention kernels autotune once per new length bucket, 6-9 s on a ~1.2 s step at the
+    seed's setting, a one-time cost that a line through the steady steps must not absorb."""
+    if compiling is not None:
+        steady = [i for i, hit in enumerate(compiling) if not hit]
+        tokens, seconds = [tokens[i] for i in steady], [seconds[i] for i in steady]
     if data_mean is None or len(tokens) < 4 or max(tokens) < 1.1 * min(tokens):
         return None
     per_token, fixed = np.polyfit(np.asarray(tokens, dtype=np.float64), np.asarray(seconds, dtype=np.float64), 1)
