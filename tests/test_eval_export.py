@@ -3,18 +3,23 @@
 from __future__ import annotations
 
 import json
+import os
+import signal
 
+import pytest
 import torch
 from safetensors.torch import load_file
 
 from decoding_helpers import one_thread  # noqa: F401 (autouse fixture)
 from dflash_trainer.config import load_config
+from dflash_trainer.errors import InterruptedAfterTraining
 from dflash_trainer.eval import runner
+from dflash_trainer.launch import StopFlag
 from dflash_trainer.train.pipeline import run_training
 from train_helpers import save_tiny_target, write_counting_shards, write_recipe
 
 
-def test_at_end_evaluation_reads_the_export(tmp_path, monkeypatch):
+def tiny_run_with_evaluation(tmp_path):
     target = save_tiny_target(tmp_path / "target")
     shards = write_counting_shards(tmp_path / "shards", num_samples=16)
     prompts = tmp_path / "prompts.jsonl"
@@ -27,6 +32,11 @@ def test_at_end_evaluation_reads_the_export(tmp_path, monkeypatch):
         train={"max_steps": 2},
         eval={"at_end": True, "datasets": [str(prompts)], "num_prompts": 2, "max_new_tokens": 8},
     )
+    return load_config(recipe, [])
+
+
+def test_at_end_evaluation_reads_the_export(tmp_path, monkeypatch):
+    config = tiny_run_with_evaluation(tmp_path)
     seen = []
     real_evaluate = runner.evaluate
 
@@ -35,7 +45,7 @@ def test_at_end_evaluation_reads_the_export(tmp_path, monkeypatch):
         return real_evaluate(target, drafter, *args, **kwargs)
 
     monkeypatch.setattr(runner, "evaluate", spy)
-    run_training(load_config(recipe, []))
+    run_training(config)
 
     (drafter,) = seen
     exported = load_file(str(tmp_path / "run" / "export" / "model.safetensors"))
@@ -47,3 +57,25 @@ def test_at_end_evaluation_reads_the_export(tmp_path, monkeypatch):
     assert all(value.dtype == torch.bfloat16 for value in exported.values())
     report = json.loads((tmp_path / "run" / "eval" / "eval.json").read_text())
     assert report["complete"] and report["datasets"][0]["exact_matches"] == 2
+
+
+def test_a_stop_signal_in_the_evaluation_ends_the_run_at_once_with_the_export_written(tmp_path, monkeypatch):
+    """Nothing polls the stop flag after the last step: a SIGTERM in the end-of-run evaluation (a scheduler's
+    timeout) must end the process, not announce a checkpoint while the evaluation runs on."""
+    config = tiny_run_with_evaluation(tmp_path)
+    saved = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    stop = StopFlag().install()
+
+    def terminated(*args, **kwargs):
+        os.kill(os.getpid(), signal.SIGTERM)
+        raise AssertionError("the signal should have interrupted the evaluation")
+
+    monkeypatch.setattr(runner, "evaluate", terminated)
+    try:
+        with pytest.raises(InterruptedAfterTraining, match="eval --drafter"):
+            run_training(config, should_stop=stop)
+    finally:
+        for sig, handler in saved.items():
+            signal.signal(sig, handler)
+    assert (tmp_path / "run" / "export" / "model.safetensors").is_file()
+    assert not stop.requested and not (tmp_path / "run" / "eval").exists()

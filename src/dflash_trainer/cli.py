@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import NoReturn
 
 from .config import ConfigError, describe_keys, load_config
-from .errors import UserError, is_storage_error, storage_error
+from .errors import UserError, describe_interrupt, is_storage_error, storage_error
 
 RECIPES_DIR = Path(__file__).resolve().parents[2] / "recipes"
 DEFAULT_RECIPE = "smollm2-135m"
@@ -495,7 +495,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except KeyboardInterrupt as interrupt:
         # A plain Ctrl-C raises KeyboardInterrupt() with no text; launch.StopFlag's carries the signal's name.
-        print(f"interrupted ({str(interrupt) or 'SIGINT'}); run the same command again to resume", file=sys.stderr)
+        print(describe_interrupt(interrupt), file=sys.stderr)
         return 130
     except OSError as error:
         if not is_storage_error(error):

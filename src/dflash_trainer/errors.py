@@ -38,6 +38,19 @@ class UserError(Exception):
     """A problem the user can fix; the message names it and says what to do (printed without a traceback)."""
 
 
+class InterruptedAfterTraining(KeyboardInterrupt):
+    """A stop signal once training has ended and its checkpoint and export are written (in the evaluation or the
+    plots): rerunning the command is not the remedy, so the message says what is."""
+
+
+def describe_interrupt(interrupt: KeyboardInterrupt) -> str:
+    """The one line printed for an interrupt: its text (a plain Ctrl-C has none) and what to do next."""
+    text = str(interrupt) or "SIGINT"
+    if isinstance(interrupt, InterruptedAfterTraining):
+        return f"interrupted ({text})"
+    return f"interrupted ({text}); run the same command again to resume"
+
+
 class OutputExistsError(UserError, FileExistsError):
     """A command would replace output it must not replace (another run's export, a non-empty directory)."""
 

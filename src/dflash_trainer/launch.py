@@ -41,6 +41,7 @@ from types import FrameType
 from typing import TYPE_CHECKING
 
 from .config import RunConfig
+from .errors import InterruptedAfterTraining
 
 if TYPE_CHECKING:
     from .distributed.world import World
@@ -55,12 +56,20 @@ class StopFlag:
     The flag defers a signal only once the trainer polls it (after each optimizer step). Before that first
     poll (loading the target, regenerating and tokenising data) nobody would ever look at it, so a signal
     interrupts at once with KeyboardInterrupt; those stages resume by themselves when the command is rerun.
+    After training (`training_done`: the checkpoint and the export written) nobody polls it either, so a signal
+    interrupts at once again, with `InterruptedAfterTraining` naming what is left to run by hand, instead of
+    announcing a checkpoint and leaving the end-of-run evaluation to run on for minutes.
     """
 
     def __init__(self) -> None:
         self.requested = False
         self.signal_name: str | None = None
         self.polled = False
+        self.left_to_run: str | None = None  # set by `training_done`
+
+    def training_done(self, left_to_run: str) -> None:
+        """From here a signal interrupts at once; `left_to_run` says how to do what the interrupt skips."""
+        self.left_to_run = left_to_run
 
     def __call__(self) -> bool:
         self.polled = True
@@ -73,6 +82,10 @@ class StopFlag:
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         name = signal.Signals(signum).name
+        if self.left_to_run is not None:
+            raise InterruptedAfterTraining(
+                f"{name} after training; the checkpoint and export are written; {self.left_to_run}"
+            )
         if not self.polled:
             raise KeyboardInterrupt(f"{name} before training started")
         if self.requested:

@@ -54,7 +54,7 @@ from typing import NoReturn, TypeVar
 
 import torch.distributed as dist
 
-from ..errors import UserError, is_storage_error
+from ..errors import UserError, describe_interrupt, is_storage_error
 from .world import World
 
 POLL_S = 1.0
@@ -140,10 +140,8 @@ class FailureChannel:
             if kind == "user":
                 print(f"[{self.label}] error: {error}", file=sys.stderr)
             elif kind == "interrupt":
-                print(
-                    f"[{self.label}] interrupted ({str(error) or 'SIGINT'}); run the same command again to resume",
-                    file=sys.stderr,
-                )
+                assert isinstance(error, KeyboardInterrupt)
+                print(f"[{self.label}] {describe_interrupt(error)}", file=sys.stderr)
             else:
                 print(f"[{self.label}] failed; the job stops:", file=sys.stderr)
                 traceback.print_exception(error, file=sys.stderr)

@@ -23,6 +23,7 @@ from ..decoding.recurrent import STATE_DTYPES
 from ..distributed.world import World, init_world, shutdown_world
 from ..durable_io import check_safetensors_file
 from ..errors import UserError, refuse_file_as_directory
+from ..launch import StopFlag
 from ..targets.loader import LoadedTarget, TargetLoadError, load_target, quantize_target_to_fp8
 from . import checkpoint as ckpt
 from .data_setup import regenerate_for_training
@@ -246,6 +247,16 @@ def _run_training(
         # The run's own directory (possibly copied from another machine, under another path): always its export.
         overwrite=True,
     )
+    if isinstance(should_stop, StopFlag):
+        # Nothing polls the flag after the last step: a signal from here on stops the process at once rather than
+        # announcing a checkpoint and letting the evaluation run on for minutes past a scheduler's grace period.
+        evaluate_later = f"evaluate with `dflash-trainer eval --drafter {export_dir}`"
+        should_stop.training_done(evaluate_later)
+        if should_stop():  # a signal after the last step's poll: in the final checkpoint's writing or the export
+            print(
+                f"stopped after training; checkpoint {summary.last_checkpoint}, export {export_dir}; {evaluate_later}"
+            )
+            return summary
     if config.eval.at_end:
         from ..eval.runner import evaluate
         from ..export import import_drafter
