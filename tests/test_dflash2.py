@@ -101,6 +101,33 @@ def test_new_dflash2_drafter_computes_what_dflash_computes_with_the_same_weights
     assert torch.equal(drafts, logits.argmax(dim=-1))
 
 
+@pytest.mark.slow  # dynamo traces the layers with symbolic shapes: ~10 s on 2 shared cores
+def test_the_dflash2_layers_compile_once_for_every_layer_and_batch_shape():
+    """The convolution adds no per-layer value and no shape guard to the compiled layer: three layers and two batch
+    shapes (other rows, lengths and anchors) run on the frames of the first call, as DFlash's do."""
+    from torch._dynamo.utils import counters
+    from torch.fx.experimental import _config as fx_config
+
+    torch.manual_seed(0)
+    drafter = randomise(DFlash2Drafter(dflash2_config(num_hidden_layers=3)))
+    eager = randomise(DFlash2Drafter(dflash2_config(num_hidden_layers=3)))
+    eager.load_state_dict(drafter.state_dict())
+    batches = [
+        random_packed_batch(drafter.config, rows=2, length=48, max_anchors=4, seed=0),
+        random_packed_batch(drafter.config, rows=3, length=40, max_anchors=3, seed=1),
+    ]
+    assert batches[0].block_ids.shape != batches[1].block_ids.shape
+    with fx_config.patch(use_duck_shape=True):  # compile_layers switches it off; restored on exit
+        torch._dynamo.reset()
+        counters.clear()
+        drafter.compile_layers(backend="eager")
+        outputs = [run_training_forward(drafter, batch) for batch in batches]
+        assert counters["frames"]["ok"] == 2  # the layer (shared by the three) and the norms
+    torch._dynamo.reset()
+    for output, batch in zip(outputs, batches, strict=True):
+        torch.testing.assert_close(output, run_training_forward(eager, batch), rtol=0, atol=0)
+
+
 def run_training_forward(drafter, batch, embed=None):
     config = drafter.config
     embed = torch.randn(config.vocab_size, config.hidden_size, generator=torch.Generator().manual_seed(5))
