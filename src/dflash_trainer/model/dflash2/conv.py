@@ -62,7 +62,7 @@ class GroupedDynamicCausalConv(nn.Module):
         # starting at multiples of block_size), rather than a view of [R, L/B, B, ...]: under torch.compile's
         # symbolic shapes that view's L/B put a floor division into every shape of the graph, and compiling the
         # layer's forward and backward took about twice as long for the same arithmetic (a tiny drafter's first step
-        # on the CPU: tracing 31.6 against 15.2 s; with Inductor from an empty cache 100 against 55 s, DFlash's 38).
+        # on the CPU: tracing 31.6 against 15.2 s; with Inductor from an empty cache 100 against 55-59 s, DFlash's 38).
         rows, length, hidden = x.shape
         dtype = x.dtype  # what the engines do: the kernel in the activations' dtype
         grouped = x.view(rows, length, self.groups, self.group_size)
@@ -72,7 +72,8 @@ class GroupedDynamicCausalConv(nn.Module):
         slot = torch.arange(length, device=x.device) % self.block_size  # [L]
         for tap in range(1, self.taps):
             # x[i - tap] within the block; the first `tap` slots of a block see zeros (no tap across a boundary).
-            within = (slot >= tap).to(dtype).view(1, length, 1, 1)
-            shifted = F.pad(grouped[:, :-tap], (0, 0, 0, 0, tap, 0)) * within
+            # A select, not a product with a 0/1 mask: a non-finite value must not cross the boundary either.
+            within = (slot >= tap).view(1, length, 1, 1)
+            shifted = torch.where(within, F.pad(grouped[:, :-tap], (0, 0, 0, 0, tap, 0)), 0.0)
             out = out + (base[tap] + delta[:, :, tap]) * shifted
         return out.view(rows, length, hidden)
