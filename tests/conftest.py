@@ -7,6 +7,7 @@ forward pass on a few dozen tokens takes milliseconds on a CPU.
 from __future__ import annotations
 
 import os
+import signal
 from pathlib import Path
 
 # Tests never reach a model hub; set before transformers / huggingface_hub read it at import.
@@ -123,3 +124,12 @@ def tiny_target_dir(tmp_path: Path, tiny_qwen3: Qwen3ForCausalLM, tiny_chat_toke
     tiny_qwen3.save_pretrained(path)
     tiny_chat_tokenizer.save_pretrained(path)
     return path
+
+
+@pytest.fixture
+def restore_handlers():
+    """The SIGINT/SIGTERM handlers as they were before the test (a test installs launch.StopFlag's)."""
+    saved = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    yield
+    for sig, handler in saved.items():
+        signal.signal(sig, handler)

@@ -59,11 +59,12 @@ def test_at_end_evaluation_reads_the_export(tmp_path, monkeypatch):
     assert report["complete"] and report["datasets"][0]["exact_matches"] == 2
 
 
-def test_a_stop_signal_in_the_evaluation_ends_the_run_at_once_with_the_export_written(tmp_path, monkeypatch):
+def test_a_stop_signal_in_the_evaluation_ends_the_run_at_once_with_the_export_written(
+    tmp_path, monkeypatch, restore_handlers
+):
     """Nothing polls the stop flag after the last step: a SIGTERM in the end-of-run evaluation (a scheduler's
     timeout) must end the process, not announce a checkpoint while the evaluation runs on."""
     config = tiny_run_with_evaluation(tmp_path)
-    saved = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
     stop = StopFlag().install()
 
     def terminated(*args, **kwargs):
@@ -71,11 +72,7 @@ def test_a_stop_signal_in_the_evaluation_ends_the_run_at_once_with_the_export_wr
         raise AssertionError("the signal should have interrupted the evaluation")
 
     monkeypatch.setattr(runner, "evaluate", terminated)
-    try:
-        with pytest.raises(InterruptedAfterTraining, match="eval --drafter"):
-            run_training(config, should_stop=stop)
-    finally:
-        for sig, handler in saved.items():
-            signal.signal(sig, handler)
+    with pytest.raises(InterruptedAfterTraining, match="eval --drafter"):
+        run_training(config, should_stop=stop)
     assert (tmp_path / "run" / "export" / "model.safetensors").is_file()
     assert not stop.requested and not (tmp_path / "run" / "eval").exists()

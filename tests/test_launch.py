@@ -11,14 +11,6 @@ from dflash_trainer.errors import InterruptedAfterTraining, describe_interrupt
 from dflash_trainer.launch import StopFlag
 
 
-@pytest.fixture
-def restore_handlers():
-    saved = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
-    yield
-    for sig, handler in saved.items():
-        signal.signal(sig, handler)
-
-
 def test_signal_before_training_interrupts_at_once(restore_handlers):
     stop = StopFlag().install()
     with pytest.raises(KeyboardInterrupt, match="SIGTERM before training"):
