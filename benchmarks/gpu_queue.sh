@@ -4,7 +4,8 @@
 # returns when the queue is done or after S seconds, `collect` packs every log and result into $OUT.
 #
 #   bash benchmarks/gpu_queue.sh start benchmarks/queues/NAME.txt   # one job per line: `name: command`
-#   bash benchmarks/gpu_queue.sh wait 540                            # a line per job every POLL seconds (60)
+#   bash benchmarks/gpu_queue.sh wait 540                            # a line per job every POLL seconds (60); when the
+#                                                                    queue is done and $OUT is set, `collect` into it
 #   OUT=/tmp/out bash benchmarks/gpu_queue.sh collect                 # $OUT/queue-logs.tgz (+ the JSON files)
 #
 # Jobs run from a copy of the repository root (/tmp/queue-repo-K for the K-th `start`) with PYTHONPATH=src, in the
@@ -66,14 +67,25 @@ case "$STAGE" in
         [ -f "$RES/$name.rc" ] && state="exit $(cat "$RES/$name.rc")"
         echo "$name ($state): $(tr '\r' '\n' < "$log" | grep -v '^\s*$' | tail -n 1 | cut -c1-200)"
       done
-      [ -f "$RES/queue.done" ] && { echo "queue done"; break; }
-      sleep "${POLL:-60}"
+      if [ -f "$RES/queue.done" ]; then
+        echo "queue done"
+        # Collect at once: the results live in this machine's /tmp, and a machine can be lost before the next command.
+        [ -n "${OUT:-}" ] && bash "$0" collect > /dev/null && echo "collected into $OUT"
+        break
+      fi
+      # Never sleep past the deadline: the caller's own time limit is set from it.
+      left=$((deadline - SECONDS))
+      [ "$left" -gt 0 ] && sleep $((left < ${POLL:-60} ? left : ${POLL:-60}))
     done
     ;;
   collect)
     OUT=${OUT:-/tmp/out}
     mkdir -p "$OUT"
     tar czf "$OUT/queue-logs.tgz" -C "$RES" .
+    # Each job's JSON results beside the archive, readable without unpacking it: JOB-NAME.json.
+    for result in "$RES"/*/*.json; do
+      [ -f "$result" ] && cp "$result" "$OUT/$(basename "$(dirname "$result")")-$(basename "$result")"
+    done
     ls -la "$OUT"
     ;;
   *) echo "unknown stage $STAGE"; exit 2 ;;

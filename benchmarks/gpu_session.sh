@@ -26,7 +26,8 @@
 #                                                THEN_HYBRID=1 [.fla]: the hybrid benchmark after them)
 #                                                (FLEX_LAYOUTS=1: after the paper setting, flex alone in
 #                                                the default static layout and in the layers' one, with clocks)
-#   bash benchmarks/gpu_session.sh wait S                    report every minute for up to S seconds
+#   bash benchmarks/gpu_session.sh wait S                    report every minute for up to S seconds; when every job
+#                                                has ended and $OUT is set, `collect` into $OUT at once
 #   bash benchmarks/gpu_session.sh collect                   pack logs and results (no weights) into $OUT
 #                                                (KEEP_ANSWERS=1: the main job's answers too, `data/*-chat`'s
 #                                                regen-00000.jsonl and regen.json as tar.xz in 15 MiB parts
@@ -214,9 +215,13 @@ case "$STAGE" in
       done
       if [ "$done_all" = 1 ]; then
         echo "all jobs ended"
+        # Collect at once: the results live in this machine's /tmp, and a machine can be lost before the next command.
+        [ -n "${OUT:-}" ] && bash "$0" collect > /dev/null && echo "collected into $OUT"
         break
       fi
-      sleep "${POLL:-60}"
+      # Never sleep past the deadline: the caller's own time limit is set from it.
+      left=$((deadline - SECONDS))
+      [ "$left" -gt 0 ] && sleep $((left < ${POLL:-60} ? left : ${POLL:-60}))
     done
     ;;
   answers)
