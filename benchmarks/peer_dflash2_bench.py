@@ -245,43 +245,20 @@ def unshare_fused_loss_autotuners() -> list[str]:
 
 
 def verifier_config(args: argparse.Namespace):
-    from transformers import LlamaConfig, Qwen3Config
+    """The verifier's config: our benchmarks' shapes (`dflash_trainer.shapes`, on PYTHONPATH from src/), tiny with
+    `--tiny`."""
+    from transformers import AutoConfig
 
-    if args.setting == "smollm2":
-        shape = dict(
-            vocab_size=49152,
-            hidden_size=576,
-            intermediate_size=1536,
-            num_hidden_layers=30,
-            num_attention_heads=9,
-            num_key_value_heads=3,
-            head_dim=64,
-            max_position_embeddings=8192,
-            rope_theta=100000.0,
-            rms_norm_eps=1e-5,
-            tie_word_embeddings=True,
-        )
-        if args.tiny:
-            shape.update(vocab_size=1024, hidden_size=128, intermediate_size=256, num_hidden_layers=6)
-            shape.update(num_attention_heads=4, num_key_value_heads=2, head_dim=32)
-        return LlamaConfig(**shape, hidden_act="silu", architectures=["LlamaForCausalLM"])
-    shape = dict(
-        vocab_size=151936,
-        hidden_size=4096,
-        intermediate_size=12288,
-        num_hidden_layers=36,
-        num_attention_heads=32,
-        num_key_value_heads=8,
-        head_dim=128,
-        max_position_embeddings=40960,
-        rope_theta=1e6,
-        rms_norm_eps=1e-6,
-        tie_word_embeddings=False,
-    )
+    from dflash_trainer.shapes import QWEN3_8B, SMOLLM2_135M
+
+    shape = dict(SMOLLM2_135M if args.setting == "smollm2" else QWEN3_8B)
     if args.tiny:
         shape.update(vocab_size=1024, hidden_size=128, intermediate_size=256, num_hidden_layers=6)
         shape.update(num_attention_heads=4, num_key_value_heads=2, head_dim=32)
-    return Qwen3Config(**shape, hidden_act="silu", architectures=["Qwen3ForCausalLM"])
+    config = AutoConfig.for_model(**shape)
+    config.hidden_act = "silu"
+    config.architectures = ["LlamaForCausalLM" if args.setting == "smollm2" else "Qwen3ForCausalLM"]
+    return config
 
 
 def documents(args: argparse.Namespace) -> list[tuple[int, int]]:

@@ -22,7 +22,7 @@ SITE=/tmp/peer_site
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" .peer/whl/*.whl
 NAME=peer_dflash2-$SETTING-b$BLOCK
 set -o pipefail
-PYTHONPATH=$SITE PYTHONUNBUFFERED=1 timeout "${PEER_TIMEOUT:-420}" python3 benchmarks/peer_dflash2_bench.py \
+PYTHONPATH=$SITE:src PYTHONUNBUFFERED=1 timeout "${PEER_TIMEOUT:-420}" python3 benchmarks/peer_dflash2_bench.py \
   --setting "$SETTING" --block-size "$BLOCK" --warmup "${PEER_WARMUP:-4}" --steps "${PEER_STEPS:-10}" \
   --e2e-steps "${PEER_E2E_STEPS:-6}" --time-budget "${PEER_BUDGET:-300}" --stack-dump-s 150 \
   --tag "$NAME" --workdir /tmp/peer_dflash2_work --out "$OUT/$NAME.json" "$@" 2>&1 \

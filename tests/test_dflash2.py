@@ -8,6 +8,7 @@ import json
 
 import pytest
 import torch
+import torch.nn.functional as F
 from safetensors.torch import load_file
 
 from dflash2_reference import ReferenceDFlash2
@@ -29,7 +30,7 @@ from dflash_trainer.model.dflash2 import (
     selector_weight_at,
 )
 from dflash_trainer.model.drafter import DFlashDrafter, build_drafter
-from dflash_trainer.model.loss import slot_weights
+from dflash_trainer.model.loss import _loss_chunk, dflash_loss, slot_weights
 from model_helpers import random_packed_batch, tiny_drafter_config
 
 DFLASH2_SIZES = dict(conv_kernel_size=2, conv_group_size=8, selector_rank=8, selector_top_k=6)
@@ -259,6 +260,109 @@ def test_selector_loss_and_gradients_match_a_dense_reference(gold, stop, chunk):
             assert a is None or torch.count_nonzero(a) == 0, name
         else:
             torch.testing.assert_close(a, b, msg=name)
+
+
+def selector_inputs(*, dtype=torch.float32, blocks=7, bias=False, seed=0):
+    """A selector of strong weights, a head, and a batch [R=2, N=blocks, B=5] of which about half the labels are
+    among the candidates."""
+    torch.manual_seed(seed)
+    rows, block, width, vocab = 2, 5, 12, 40
+    selector = CandidateSelector(width, vocab, rank=6, top_k=8)
+    with torch.no_grad():
+        for parameter in selector.parameters():
+            parameter.normal_(std=0.5)
+    head = torch.randn(vocab, width).to(dtype)
+    hidden = torch.randn(rows, blocks, block, width).to(dtype).requires_grad_()
+    labels = torch.randint(0, vocab, (rows, blocks, block))
+    best = (hidden.detach().float() @ head.float().T).argmax(-1)
+    labels = torch.where(torch.rand(rows, blocks, block) < 0.5, best, labels)
+    predecessors = torch.randint(0, vocab, (rows, blocks, block))
+    valid = torch.rand(rows, blocks, block) < 0.8
+    valid[..., 0] = False
+    return dict(
+        hidden=hidden,
+        lm_head_weight=head,
+        selector=selector,
+        labels=labels,
+        predecessors=predecessors,
+        valid=valid,
+        lm_head_bias=torch.randn(vocab).to(dtype) if bias else None,
+    )
+
+
+def selector_results(inputs, **options):
+    """(loss, flat metrics, gradients of hidden, projection and both codebooks) of one `selector_loss` call."""
+    selector, hidden = inputs["selector"], inputs["hidden"]
+    hidden.grad = None
+    selector.zero_grad(set_to_none=True)
+    out = selector_loss(**inputs, gamma=None, **options)
+    out.loss.backward()
+    params = [selector.hidden_projection.weight, selector.predecessor_codebook, selector.successor_codebook]
+    return [out.loss.detach(), out.metrics.to_tensor(), hidden.grad, *(p.grad for p in params)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_selector_takes_the_base_losss_candidates_and_computes_what_it_computes_alone(dtype):
+    """`dflash_loss(candidates_top_k=K)` ranks each drafted slot's logits (those of the selector's own pass: the same
+    products), so the selector given them computes the same loss, metrics and gradients, without its LM head."""
+    inputs = selector_inputs(dtype=dtype, bias=True)
+    base = dflash_loss(
+        inputs["hidden"],
+        inputs["lm_head_weight"],
+        inputs["labels"],
+        inputs["valid"],
+        gamma=None,
+        chunk_blocks=3,
+        lm_head_bias=inputs["lm_head_bias"],
+        candidates_top_k=8,
+    )
+    # The logits of each chunk of 3 blocks (a bf16 GEMM's rounding depends on its shape), ranked.
+    slots = inputs["hidden"].detach()[:, :, 1:].reshape(14, 4, 12)
+    head, bias = inputs["lm_head_weight"], inputs["lm_head_bias"]
+    logits = torch.cat([F.linear(slots[i : i + 3].reshape(-1, 12), head, bias) for i in range(0, 14, 3)])
+    assert torch.equal(base.candidates.reshape(-1, 8), torch.topk(logits, 8, dim=-1).indices)  # [R, N, B-1, K]
+    alone = selector_results(inputs, chunk_blocks=3)
+    given = selector_results(inputs, chunk_blocks=3, candidates=base.candidates)
+    for name, a, b in zip(["loss", "metrics", "hidden", "projection", "before", "after"], alone, given, strict=True):
+        assert torch.equal(a, b), name
+    with pytest.raises(ValueError, match=r"candidates must be \[R, N, B-1, K\]"):
+        selector_loss(**inputs, gamma=None, candidates=base.candidates[..., :4])
+
+
+def test_the_base_loss_chunk_ranks_the_candidates_in_its_one_graph():
+    """With `top_k` the base loss's chunk (compiled on CUDA: fullgraph, static shapes) still traces as one graph, the
+    top-k an op of it; AOT autograd's eager backend gives the eager numbers."""
+    inputs = selector_inputs()
+    hidden = inputs["hidden"].detach()[:, :, 1:].reshape(-1, 4, 12)  # [C, S, H]
+    labels, valid = inputs["labels"][:, :, 1:].reshape(-1, 4), inputs["valid"][:, :, 1:].reshape(-1, 4)
+    args = (hidden, inputs["lm_head_weight"], None, labels, valid, None, None, torch.linspace(1.0, 0.5, 4), None)
+    options = dict(weighting="dpace", dpace_alpha=0.5, label_source="data", need_grad=True, top_k=8)
+    compiled = torch.compile(_loss_chunk, backend="aot_eager", fullgraph=True, dynamic=False)
+    expected = _loss_chunk(*args, **options)
+    assert expected[-1].shape == (14, 4, 8)
+    for actual, wanted in zip(compiled(*args, **options), expected, strict=True):
+        torch.testing.assert_close(actual, wanted, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("given", [False, True])
+def test_the_selector_chunk_traces_as_one_graph_and_whole_chunks_give_the_eager_numbers(monkeypatch, given):
+    """On CUDA the per-chunk function runs compiled (fullgraph, static shapes) on blocks padded to whole chunks: here
+    dynamo with the aot_eager backend, forced on, against the eager chunks of the same blocks."""
+    from dflash_trainer.model.dflash2 import loss as loss_module
+
+    inputs = selector_inputs(bias=True)
+    candidates = None
+    if given:
+        logits = F.linear(inputs["hidden"].detach()[:, :, 1:], inputs["lm_head_weight"], inputs["lm_head_bias"])
+        candidates = torch.topk(logits, 8, dim=-1).indices
+    eager = selector_results(inputs, chunk_blocks=4, candidates=candidates)  # 14 blocks: 3 chunks and a part
+    compiled = torch.compile(loss_module._selector_chunk, backend="aot_eager", fullgraph=True, dynamic=False)
+    monkeypatch.setattr(loss_module, "_compiled_selector_chunk", lambda: compiled)
+    spec = loss_module._Spec
+    monkeypatch.setattr(loss_module, "_Spec", lambda **fields: spec(**{**fields, "compile": True}))
+    padded = selector_results(inputs, chunk_blocks=4, candidates=candidates, compile=True)
+    for name, a, b in zip(["loss", "metrics", "hidden", "projection", "before", "after"], eager, padded, strict=True):
+        torch.testing.assert_close(a, b, msg=name)
 
 
 def test_selector_prefix_metric_is_the_accepted_length_of_the_walk():

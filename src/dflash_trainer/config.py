@@ -294,7 +294,8 @@ class LossConfig:
     label_source: Literal["data", "target_argmax", "soft"] = "data"
     # Blocks per loss chunk: bounds the [chunk * block, vocab] logits that exist at once.
     chunk_blocks: int = 64
-    # torch.compile the per-chunk LM head + loss on CUDA (fuses the softmax, CE, argmax and gradient passes).
+    # torch.compile the per-chunk LM head + loss on CUDA (fuses the softmax, CE, argmax and gradient passes), and
+    # DFlash2's selector term per chunk (one graph instead of ~80 small launches and an autograd call).
     compile: bool = True
     # The drafter slots' two LM-head GEMMs (logits, and their gradient times the head) in FP8, e4m3 with row-wise
     # scales (model/fp8_head.py); a GPU with FP8 tensor cores. Off: the logits' precision matters for soft labels;

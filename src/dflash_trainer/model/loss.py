@@ -191,6 +191,9 @@ class LossOutput:
     # micro-batches or ranks to normalise globally instead of per call.
     loss_sum: Tensor
     metrics: LossMetrics
+    # [R, N, B-1, K] int64: each drafted slot's top-k token ids of these logits, highest first (`dflash_loss`'s
+    # `candidates_top_k`; DFlash2's selector chooses among them); None when not asked for or with the FP8 head.
+    candidates: Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -233,6 +236,7 @@ class _LossSpec:
     need_grad: bool
     compile: bool
     fp8_head: Fp8Head | None  # the head in e4m3 for the drafter slots' two GEMMs (`model/fp8_head.py`)
+    top_k: int  # candidates per drafted slot from the logits (0: none)
 
 
 def dflash_loss(
@@ -251,6 +255,7 @@ def dflash_loss(
     compile: bool = False,
     target_logits: TargetPositionLogits | None = None,
     fp8_head: bool = False,
+    candidates_top_k: int = 0,
 ) -> LossOutput:
     """The weighted DFlash loss and its metrics. `gamma` None picks `default_gamma(B)`. `compile`: run the
     per-chunk function compiled (CUDA only; elsewhere it is ignored). Labels other than `data` take the target's
@@ -259,7 +264,9 @@ def dflash_loss(
     Logits are computed in hidden's dtype (the LM head weight is cast to it once), the softmax in float32 (or
     float64 for float64 inputs). Gradients flow to `hidden` only: the LM head is frozen, and the target's
     hidden states are treated as constants. `fp8_head`: the drafter slots' logits and their gradient's product with
-    the head in FP8 (see the module docstring); the target's logits stay in the head's dtype."""
+    the head in FP8 (see the module docstring); the target's logits stay in the head's dtype. `candidates_top_k` K:
+    also return each drafted slot's top-K ids of the logits as computed (`LossOutput.candidates`, for DFlash2's
+    selector, which would otherwise run the LM head again); not with the FP8 head, whose logits are not those."""
     _check_inputs(hidden, lm_head_weight, labels, valid, target_hidden, target_logits, lm_head_bias, label_source)
     rows, num_blocks, block_size, width = hidden.shape
     if block_size < 2:
@@ -270,6 +277,10 @@ def dflash_loss(
         raise ValueError(f"dflash_loss: dpace_alpha must be in [0, 1], got {dpace_alpha}")
     if chunk_blocks < 1:
         raise ValueError(f"dflash_loss: chunk_blocks must be >= 1, got {chunk_blocks}")
+    if not 0 <= candidates_top_k <= lm_head_weight.shape[0]:
+        raise ValueError(
+            f"dflash_loss: candidates_top_k must be in [0, V={lm_head_weight.shape[0]}], got {candidates_top_k}"
+        )
     need_grad = torch.is_grad_enabled() and hidden.requires_grad
     frozen_head = [("lm_head_weight", lm_head_weight), ("lm_head_bias", lm_head_bias)]
     for name, tensor in frozen_head:
@@ -291,12 +302,13 @@ def dflash_loss(
         need_grad=need_grad,
         compile=compile and hidden.device.type == "cuda",
         fp8_head=cached_fp8_head(lm_head_weight) if fp8_head else None,
+        top_k=0 if fp8_head else candidates_top_k,
     )
     blocks = rows * num_blocks
     flat_target = None if target_hidden is None else target_hidden.reshape(blocks, block_size, width)
     position_logits = None if target_logits is None else target_logits.logits
     slot_rows = None if target_logits is None else target_logits.slot_rows.reshape(blocks, block_size)
-    loss_sum, weight_sum, correct, count, prefix_sum, prefix_blocks = _ChunkedBlockLoss.apply(
+    loss_sum, weight_sum, correct, count, prefix_sum, prefix_blocks, candidates = _ChunkedBlockLoss.apply(
         hidden.reshape(blocks, block_size, width),
         lm_head_weight,
         lm_head_bias,
@@ -317,7 +329,9 @@ def dflash_loss(
         prefix_sum=prefix_sum,
         prefix_blocks=prefix_blocks,
     )
-    return LossOutput(loss=loss_sum / safe_weight, loss_sum=loss_sum, metrics=metrics)
+    if candidates is not None:
+        candidates = candidates.view(rows, num_blocks, block_size - 1, -1)  # [R, N, B-1, K]
+    return LossOutput(loss=loss_sum / safe_weight, loss_sum=loss_sum, metrics=metrics, candidates=candidates)
 
 
 def greedy_next_tokens(
@@ -419,7 +433,7 @@ class _ChunkedBlockLoss(torch.autograd.Function):
     """Fused LM head + weighted loss over [blocks, B, H], chunk by chunk (see the module docstring).
 
     Outputs: loss_sum (differentiable w.r.t. hidden), then the non-differentiable weight_sum, correct [B],
-    count [B], prefix_sum, prefix_blocks."""
+    count [B], prefix_sum, prefix_blocks, and the candidates [M, B-1, K] (None unless `spec.top_k`)."""
 
     @staticmethod
     def forward(
@@ -456,6 +470,8 @@ class _ChunkedBlockLoss(torch.autograd.Function):
             correct = torch.zeros(block_size, dtype=torch.float64, device=device)
             count = torch.zeros(block_size, dtype=torch.float64, device=device)
             grad_hidden = torch.zeros_like(hidden) if spec.need_grad else None
+            shape = (hidden.shape[0], block_size - 1, spec.top_k)
+            candidates = torch.empty(shape, dtype=torch.int64, device=device) if spec.top_k else None
             slot_weight = spec.slot_weight.to(softmax_dtype)
             for start in range(0, blocks, step):
                 chunk = slice(start, min(start + step, hidden.shape[0]))
@@ -465,7 +481,7 @@ class _ChunkedBlockLoss(torch.autograd.Function):
                 if slot_rows is not None:
                     rows_of_chunk = slot_rows[chunk, 1:].reshape(-1)
                     chunk_target_logits = position_logits.index_select(0, rows_of_chunk).to(compute_dtype)
-                chunk_totals, chunk_correct, chunk_count, chunk_grad = chunk_fn(
+                chunk_totals, chunk_correct, chunk_count, chunk_grad, chunk_candidates = chunk_fn(
                     hidden[chunk, 1:],
                     weight,
                     bias,
@@ -479,19 +495,25 @@ class _ChunkedBlockLoss(torch.autograd.Function):
                     dpace_alpha=spec.dpace_alpha,
                     label_source=spec.label_source,
                     need_grad=spec.need_grad,
+                    top_k=spec.top_k,
                 )
                 totals += chunk_totals
                 correct[1:] += chunk_correct
                 count[1:] += chunk_count
                 if grad_hidden is not None:
                     grad_hidden[chunk, 1:] = chunk_grad
+                if candidates is not None:
+                    candidates[chunk] = chunk_candidates
         loss_sum, weight_sum = totals[0].to(softmax_dtype), totals[1].to(softmax_dtype)
         prefix_sum, prefix_blocks = totals[2], totals[3]
         if grad_hidden is not None:
             grad_hidden = grad_hidden[:blocks]
+        if candidates is not None:
+            candidates = candidates[:blocks]
+            ctx.mark_non_differentiable(candidates)
         ctx.save_for_backward(grad_hidden)
         ctx.mark_non_differentiable(weight_sum, correct, count, prefix_sum, prefix_blocks)
-        return loss_sum, weight_sum, correct, count, prefix_sum, prefix_blocks
+        return loss_sum, weight_sum, correct, count, prefix_sum, prefix_blocks, candidates
 
     @staticmethod
     @once_differentiable
@@ -522,15 +544,19 @@ def _loss_chunk(
     dpace_alpha: float,
     label_source: LabelSource,
     need_grad: bool,
-) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
+    top_k: int = 0,
+) -> tuple[Tensor, Tensor, Tensor, Tensor | None, Tensor | None]:
     """One chunk: (totals [4] float64 = loss sum, weight sum, accepted-prefix sum, counted blocks; correct [S];
-    valid [S]; gradient w.r.t. hidden [C, S, H] or None). No in-place ops (see the module docstring)."""
+    valid [S]; gradient w.r.t. hidden [C, S, H] or None; the top-`top_k` ids of the logits [C, S, K] or None).
+    No in-place ops (see the module docstring)."""
     chunk, slots, width = hidden.shape
     softmax_dtype = slot_weight.dtype
     flat_hidden = hidden.reshape(chunk * slots, width)  # [C*S, H]
     # [C*S, V]: bf16 from the FP8 head
     logits = F.linear(flat_hidden, weight, bias) if fp8_head is None else head_logits(flat_hidden, fp8_head, bias)
     drafter_choice = logits.argmax(dim=-1).view(chunk, slots)
+    # Ranked on the logits as computed (bf16 on a GPU, as the engines rank them), highest first.
+    candidates = torch.topk(logits, top_k, dim=-1).indices.view(chunk, slots, top_k) if top_k else None
     logits = logits.to(softmax_dtype)
     log_normaliser = torch.logsumexp(logits, dim=-1, keepdim=True)  # [C*S, 1]
 
@@ -585,7 +611,7 @@ def _loss_chunk(
         # cheaper than masking [C*S, V] above, and matmul rows are independent.
         grad_rows = torch.where(valid.reshape(-1, 1), grad_rows, torch.zeros_like(grad_rows))
         grad_hidden = grad_rows.view(chunk, slots, width)
-    return totals, correct.sum(dim=0).double(), valid.sum(dim=0).double(), grad_hidden
+    return totals, correct.sum(dim=0).double(), valid.sum(dim=0).double(), grad_hidden, candidates
 
 
 def _slot_loss_weights(

@@ -393,6 +393,7 @@ class Trainer:
             gold_injection=selector.gold_injection,
             stop_gradient=selector.stop_gradient,
             device=self.device,
+            compile=self.config.loss.compile,
         )
 
     def _copy_target_layers(self, spec: list[int]) -> None:
@@ -673,6 +674,8 @@ class Trainer:
                     compile=loss_config.compile,
                     target_logits=target_logits,
                     fp8_head=loss_config.fp8_head,
+                    # DFlash2: the selector's candidates from these logits (not its own pass of the LM head).
+                    candidates_top_k=0 if self.selector_objective is None else self.drafter.candidate_selector.top_k,
                 )
                 if self.selector_objective is not None:
                     result = self.selector_objective.add_term(

@@ -24,15 +24,22 @@ made as options (`loss.selector` in the recipe, `SelectorLossConfig`):
 - Normalised by its own weight sum (counted slots only), so its scale does not move with the candidate recall.
 
 Memory and compute, as in `model/loss.py`: [slots, V] logits never exist for the whole batch. An autograd Function
-walks the blocks in chunks; per chunk it computes the logits (for the top-k only), the candidates' scores in a
-small local graph, and right away the gradients with respect to the hidden states and the selector's parameters
-(the codebook rows it touched, added into dense [V, r] buffers); backward scales them by the incoming scalar. The
-extra cost over DFlash is one more LM-head matmul per slot (the top-k; the base loss computes its own logits).
+walks the blocks in chunks; per chunk it scores the candidates and right away forms the gradients with respect to
+the hidden states and the selector's parameters (written out as autograd would form them, the same products and
+casts; the codebook rows it touched are added into dense [V, r] buffers); backward scales them by the incoming
+scalar. The candidates come from the base loss, which ranks the logits it computes anyway (`dflash_loss`'s
+`candidates_top_k`), so DFlash2 runs the LM head once per slot as DFlash does; only with the FP8 head (whose
+logits are not the bf16 ones the engines rank) or when called alone does a chunk run the head for its top-k itself.
+On CUDA the per-chunk function is compiled (`compile`, static shapes on blocks padded to whole chunks, as the base
+loss): eager, its ~80 small ops and an autograd call per chunk left the GPU idle about two thirds of a SmolLM2 step
+(benchmarks/BENCHMARKS.md, 2026-12-03).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -135,6 +142,7 @@ class _Spec:
     gold_injection: bool
     grad_hidden: bool
     grad_selector: bool
+    compile: bool  # the per-chunk function compiled (CUDA), on whole chunks
 
 
 def selector_loss(
@@ -150,13 +158,20 @@ def selector_loss(
     stop_gradient: bool = False,
     chunk_blocks: int = 64,
     lm_head_bias: Tensor | None = None,  # [V]
+    candidates: Tensor | None = None,  # [R, N, B-1, K] int64
+    compile: bool = False,
 ) -> SelectorOutput:
     """L_sel and the selector's metrics (module docstring). Logits in hidden's dtype, scores in float32 (float64
-    for float64 inputs)."""
+    for float64 inputs). `candidates`: the top-k ids of slots 1..B-1 already taken from these logits (the base
+    loss's, `dflash_loss(candidates_top_k=K)`), so that the LM head runs once per slot; None: computed here.
+    `compile`: the per-chunk function compiled (CUDA only; elsewhere it is ignored)."""
     rows, num_blocks, block_size, width = hidden.shape
     for name, tensor in (("labels", labels), ("predecessors", predecessors), ("valid", valid)):
         if tensor.shape != hidden.shape[:3]:
             raise ValueError(f"selector_loss: {name} must be [R, N, B]={tuple(hidden.shape[:3])}, got {tensor.shape}")
+    expected = (rows, num_blocks, block_size - 1, selector.top_k)
+    if candidates is not None and tuple(candidates.shape) != expected:
+        raise ValueError(f"selector_loss: candidates must be [R, N, B-1, K]={expected}, got {tuple(candidates.shape)}")
     if chunk_blocks < 1:
         raise ValueError(f"selector_loss: chunk_blocks must be >= 1, got {chunk_blocks}")
     gamma = default_gamma(block_size) if gamma is None else gamma
@@ -171,6 +186,7 @@ def selector_loss(
         gold_injection=gold_injection,
         grad_hidden=grad_enabled and hidden.requires_grad and not stop_gradient,
         grad_selector=grad_enabled and projection.requires_grad,
+        compile=compile and hidden.device.type == "cuda",
     )
     blocks = rows * num_blocks
     loss_sum, weight_sum, flat_metrics = _ChunkedSelectorLoss.apply(
@@ -183,6 +199,7 @@ def selector_loss(
         labels.reshape(blocks, block_size),
         predecessors.reshape(blocks, block_size),
         valid.reshape(blocks, block_size),
+        None if candidates is None else candidates.reshape(blocks, block_size - 1, selector.top_k),
         spec,
     )
     safe_weight = torch.where(weight_sum > 0, weight_sum, torch.ones_like(weight_sum))
@@ -204,27 +221,71 @@ class _ChunkedSelectorLoss(torch.autograd.Function):
         labels: Tensor,  # [M, B]
         predecessors: Tensor,  # [M, B]
         valid: Tensor,  # [M, B]
+        candidates: Tensor | None,  # [M, B-1, K]
         spec: _Spec,
     ) -> tuple[Tensor, Tensor, Tensor]:
         blocks, block_size, _ = hidden.shape
         device = hidden.device
         grads = _Grads.empty(hidden, projection, predecessor_codebook, successor_codebook, spec)
-        metrics = SelectorMetrics.zeros(block_size, device=device)
+        totals = torch.zeros(4, dtype=torch.float64, device=device)  # loss, weight, prefix sums, prefix blocks
+        per_slot = torch.zeros(3, block_size - 1, dtype=torch.float64, device=device)  # correct, recall, count
+        chunk_fn = _compiled_selector_chunk() if spec.compile else _selector_chunk
+        step = spec.chunk_blocks
+        if spec.compile and blocks % step:
+            # Whole chunks only, so the compiled function sees one shape: pad with invalid blocks (dropped below).
+            extra = step - blocks % step
+            hidden = F.pad(hidden, (0, 0, 0, 0, 0, extra))
+            labels, predecessors = F.pad(labels, (0, 0, 0, extra)), F.pad(predecessors, (0, 0, 0, extra))
+            valid = F.pad(valid, (0, 0, 0, extra), value=False)
+            candidates = None if candidates is None else F.pad(candidates, (0, 0, 0, 0, 0, extra))
+        rank = projection.shape[0]
         with torch.autocast(device_type=device.type, enabled=False):
             weight = lm_head_weight.to(hidden.dtype)
             bias = None if lm_head_bias is None else lm_head_bias.to(hidden.dtype)
-            for start in range(0, blocks, spec.chunk_blocks):
-                chunk = slice(start, start + spec.chunk_blocks)
+            for start in range(0, blocks, step):
+                chunk = slice(start, start + step)
+                kept = min(step, blocks - start)  # the chunk's real blocks (the rest is padding)
                 # Slot 0 carries no term (the anchor); slots 1..B-1 of the chunk's blocks.
-                part = _ChunkInputs(
-                    blocks=chunk,
-                    hidden=hidden[chunk, 1:],
-                    labels=labels[chunk, 1:],
-                    predecessors=predecessors[chunk, 1:],
-                    valid=valid[chunk, 1:],
+                out = chunk_fn(
+                    hidden[chunk, 1:],
+                    None if candidates is None else candidates[chunk],
+                    weight,
+                    bias,
+                    projection,
+                    predecessor_codebook,
+                    successor_codebook,
+                    labels[chunk, 1:],
+                    predecessors[chunk, 1:],
+                    valid[chunk, 1:],
+                    spec.slot_weight,
+                    top_k=spec.top_k,
+                    gold_injection=spec.gold_injection,
+                    grad_hidden=spec.grad_hidden,
+                    grad_selector=spec.grad_selector,
                 )
-                _chunk(part, weight, bias, projection, predecessor_codebook, successor_codebook, spec, grads, metrics)
-        loss_sum, weight_sum = metrics.loss_sum.to(spec.score_dtype), metrics.weight_sum.to(spec.score_dtype)
+                totals += out.totals
+                per_slot += out.per_slot
+                if spec.grad_hidden:
+                    grads.hidden[start : start + kept, 1:] = out.grad_hidden[:kept].to(grads.hidden.dtype)
+                if spec.grad_selector:
+                    # The codebook rows the chunk read get their gradients added at their ids.
+                    grads.projection.add_(out.grad_projection.to(grads.projection.dtype))
+                    before_ids = predecessors[start : start + kept, 1:].reshape(-1)
+                    grads.predecessor.index_add_(0, before_ids, out.grad_before[:kept].reshape(-1, rank))
+                    after_ids = out.ids[:kept].reshape(-1)
+                    grads.successor.index_add_(0, after_ids, out.grad_after[:kept].reshape(-1, rank))
+        zero = per_slot.new_zeros(3, 1)  # slot 0 carries no term
+        correct, recall, count = torch.cat([zero, per_slot], dim=1)
+        metrics = SelectorMetrics(
+            loss_sum=totals[0],
+            weight_sum=totals[1],
+            prefix_sum=totals[2],
+            prefix_blocks=totals[3],
+            correct_per_slot=correct,
+            recall_per_slot=recall,
+            count_per_slot=count,
+        )
+        loss_sum, weight_sum = totals[0].to(spec.score_dtype), totals[1].to(spec.score_dtype)
         ctx.save_for_backward(*grads.tensors())
         ctx.grad_hidden, ctx.grad_selector = spec.grad_hidden, spec.grad_selector
         flat = metrics.to_tensor()
@@ -237,16 +298,7 @@ class _ChunkedSelectorLoss(torch.autograd.Function):
         hidden, projection, predecessor, successor = (
             None if tensor.numel() == 0 else tensor * grad_loss_sum.to(tensor.dtype) for tensor in ctx.saved_tensors
         )
-        return hidden, projection, predecessor, successor, None, None, None, None, None, None
-
-
-@dataclass
-class _ChunkInputs:
-    blocks: slice  # which of the M blocks
-    hidden: Tensor  # [C, S, H]
-    labels: Tensor  # [C, S]
-    predecessors: Tensor  # [C, S]
-    valid: Tensor  # [C, S]
+        return hidden, projection, predecessor, successor, None, None, None, None, None, None, None
 
 
 @dataclass
@@ -274,75 +326,101 @@ class _Grads:
         return self.hidden, self.projection, self.predecessor, self.successor
 
 
-def _chunk(
-    part: _ChunkInputs,
+class _ChunkResult(NamedTuple):
+    """What `_selector_chunk` returns for a chunk of C blocks (S = B-1 slots, K candidates, rank r)."""
+
+    totals: Tensor  # [4] float64: loss sum, weight sum, accepted-prefix sum, blocks whose slot 1 is valid
+    per_slot: Tensor  # [3, S] float64: correct, recall (label among the candidates), valid
+    ids: Tensor  # [C, S, K] the candidates scored (after gold injection)
+    grad_hidden: Tensor | None  # [C, S, H] in hidden's dtype
+    grad_projection: Tensor | None  # [r, H] in the score dtype
+    grad_before: Tensor | None  # [C, S, r]: of the predecessor codebook rows, in the codebook's dtype
+    grad_after: Tensor | None  # [C, S, K, r]: of the successor codebook rows, in the codebook's dtype
+
+
+@lru_cache(maxsize=1)
+def _compiled_selector_chunk():
+    # Static shapes (the caller pads to whole chunks): one graph per setting, whatever the batch.
+    return torch.compile(_selector_chunk, dynamic=False, fullgraph=True)
+
+
+def _selector_chunk(
+    hidden: Tensor,  # [C, S, H] slots 1..B-1
+    candidates: Tensor | None,  # [C, S, K] the slots' top-k ids, highest logit first; None: from hidden here
     weight: Tensor,  # [V, H] in hidden's dtype
-    bias: Tensor | None,
-    projection: Tensor,
-    predecessor_codebook: Tensor,
-    successor_codebook: Tensor,
-    spec: _Spec,
-    grads: _Grads,
-    metrics: SelectorMetrics,
-) -> None:
-    chunk, slots, width = part.hidden.shape
-    with torch.no_grad():
-        logits = F.linear(part.hidden.reshape(chunk * slots, width), weight, bias)  # [C*S, V]
+    bias: Tensor | None,  # [V]
+    projection: Tensor,  # [r, H]
+    predecessor_codebook: Tensor,  # [V, r]
+    successor_codebook: Tensor,  # [V, r]
+    labels: Tensor,  # [C, S]
+    predecessors: Tensor,  # [C, S]
+    valid: Tensor,  # [C, S]
+    slot_weight: Tensor,  # [S] in the score dtype
+    *,
+    top_k: int,
+    gold_injection: bool,
+    grad_hidden: bool,
+    grad_selector: bool,
+) -> _ChunkResult:
+    """One chunk's term, metrics and gradients (of the loss sum), with no autograd and no in-place ops, so that it
+    compiles as one graph (CUDA). The gradients are written out as autograd forms them for the scores below
+    (the same products and casts in the same dtypes): d/d scores = w * softmax - w at the label's index, back
+    through the unary bf16 product and the float32 transition and gate."""
+    chunk, slots, width = hidden.shape
+    dtype = slot_weight.dtype
+    if candidates is None:
+        logits = F.linear(hidden.reshape(chunk * slots, width), weight, bias)  # [C*S, V]
         # The top-k of the logits as computed (bf16 on a GPU, as the engines rank them), highest first.
-        ids = torch.topk(logits, spec.top_k, dim=-1).indices.view(chunk, slots, spec.top_k)
-        del logits
-        hit = ids == part.labels.unsqueeze(-1)  # [C, S, K]
-        present = hit.any(dim=-1)  # [C, S]: the label is among the served candidates
-        if spec.gold_injection:
-            # The label replaces the weakest candidate where it is missing (loss only; metrics use `present`).
-            last = torch.arange(spec.top_k, device=ids.device) == spec.top_k - 1
-            inject = ~present.unsqueeze(-1) & last
-            ids = torch.where(inject, part.labels.unsqueeze(-1), ids)
-            hit = hit | inject
-        target = hit.to(torch.int64).argmax(dim=-1)  # [C, S]: the label's index (0 where absent and not injected)
-        counted = part.valid & (present | spec.gold_injection)
-        slot_weight = torch.where(counted, spec.slot_weight, 0.0)  # [C, S]
+        candidates = torch.topk(logits, top_k, dim=-1).indices.view(chunk, slots, top_k)
+    ids = candidates
+    hit = ids == labels.unsqueeze(-1)  # [C, S, K]
+    present = hit.any(dim=-1)  # [C, S]: the label is among the served candidates
+    if gold_injection:
+        # The label replaces the weakest candidate where it is missing (loss only; metrics use `present`).
+        last = torch.arange(top_k, device=ids.device) == top_k - 1
+        inject = ~present.unsqueeze(-1) & last
+        ids = torch.where(inject, labels.unsqueeze(-1), ids)
+        hit = hit | inject
+    target = hit.to(torch.int64).argmax(dim=-1)  # [C, S]: the label's index (0 where absent and not injected)
+    counted = valid & (present | gold_injection)
+    weights = torch.where(counted, slot_weight, 0.0)  # [C, S]
 
-    leaves = []
-    with torch.enable_grad():
-        hidden = part.hidden.detach().requires_grad_(spec.grad_hidden)
-        gate_weight = projection.detach().requires_grad_(spec.grad_selector)
-        # Codebook rows as leaves: their gradients are added into the dense buffers at the rows' ids.
-        before = F.embedding(part.predecessors, predecessor_codebook).detach().requires_grad_(spec.grad_selector)
-        after = F.embedding(ids, successor_codebook).detach().requires_grad_(spec.grad_selector)
-        head_rows = F.embedding(ids, weight)  # [C, S, K, H], constant
-        dtype = spec.score_dtype
-        unary = (head_rows @ hidden.unsqueeze(-1)).squeeze(-1).to(dtype)  # [C, S, K]
-        if bias is not None:
-            unary = unary + bias[ids].to(dtype)
-        gate = F.linear(hidden.to(dtype), gate_weight.to(dtype))  # [C, S, r]
-        transition = ((before.to(dtype) * gate).unsqueeze(-2) @ after.to(dtype).transpose(-1, -2)).squeeze(-2)
-        scores = unary + transition  # [C, S, K]
-        ce = torch.logsumexp(scores, dim=-1) - scores.gather(-1, target.unsqueeze(-1)).squeeze(-1)  # [C, S]
-        chunk_loss = (torch.where(counted, ce, 0.0) * slot_weight).sum()
-        if spec.grad_hidden:
-            leaves.append(hidden)
-        if spec.grad_selector:
-            leaves += [gate_weight, before, after]
-        chunk_grads = torch.autograd.grad(chunk_loss, leaves) if leaves else ()
+    head_rows = F.embedding(ids, weight)  # [C, S, K, H]
+    unary = (head_rows @ hidden.unsqueeze(-1)).squeeze(-1).to(dtype)  # [C, S, K]
+    if bias is not None:
+        unary = unary + bias[ids].to(dtype)
+    hidden_wide = hidden.to(dtype)  # [C, S, H]
+    gate = F.linear(hidden_wide, projection.to(dtype))  # [C, S, r]
+    before = F.embedding(predecessors, predecessor_codebook).to(dtype)  # [C, S, r]
+    after = F.embedding(ids, successor_codebook).to(dtype)  # [C, S, K, r]
+    left = before * gate  # [C, S, r]
+    transition = (left.unsqueeze(-2) @ after.transpose(-1, -2)).squeeze(-2)  # [C, S, K]
+    scores = unary + transition  # [C, S, K]
+    normaliser = torch.logsumexp(scores, dim=-1)  # [C, S]
+    ce = normaliser - scores.gather(-1, target.unsqueeze(-1)).squeeze(-1)  # [C, S]
+    loss = (torch.where(counted, ce, 0.0) * weights).sum()
 
-    with torch.no_grad():
-        chunk_grads = list(chunk_grads)
-        if spec.grad_hidden:
-            grads.hidden[part.blocks, 1:] = chunk_grads.pop(0).to(grads.hidden.dtype)
-        if spec.grad_selector:
-            grad_gate, grad_before, grad_after = chunk_grads
-            grads.projection.add_(grad_gate.to(grads.projection.dtype))
-            rank = grads.predecessor.shape[1]
-            grad_before = grad_before.reshape(-1, rank).to(grads.predecessor.dtype)
-            grads.predecessor.index_add_(0, part.predecessors.reshape(-1), grad_before)
-            grads.successor.index_add_(0, ids.reshape(-1), grad_after.reshape(-1, rank).to(grads.successor.dtype))
-        correct = part.valid & present & (scores.argmax(dim=-1) == target)  # [C, S]
-        prefix = torch.cumprod(correct.to(torch.int64), dim=1).sum(dim=1)  # [C]
-        metrics.loss_sum.add_(chunk_loss.detach().double())
-        metrics.weight_sum.add_(slot_weight.sum().double())
-        metrics.prefix_sum.add_(prefix.sum().double())
-        metrics.prefix_blocks.add_(part.valid[:, 0].sum().double())
-        metrics.correct_per_slot[1:].add_(correct.sum(dim=0).double())
-        metrics.recall_per_slot[1:].add_((part.valid & present).sum(dim=0).double())
-        metrics.count_per_slot[1:].add_(part.valid.sum(dim=0).double())
+    grad_wrt_hidden = grad_projection = grad_before = grad_after = None
+    if grad_hidden or grad_selector:
+        # d loss / d ce is `weights` (0 where not counted); logsumexp gives w * softmax, the gather -w at the target.
+        at_target = torch.arange(ids.shape[-1], device=ids.device) == target.unsqueeze(-1)  # [C, S, K]
+        step = weights.unsqueeze(-1)  # [C, S, 1]
+        grad_scores = step * torch.exp(scores - normaliser.unsqueeze(-1)) + torch.where(at_target, -step, 0.0)
+        grad_left = (grad_scores.unsqueeze(-2) @ after).squeeze(-2)  # [C, S, r]
+        grad_gate = grad_left * before  # [C, S, r]
+        if grad_hidden:
+            # The unary product ran in hidden's dtype: its gradient comes back in it, as does the gate's.
+            from_unary = (head_rows.transpose(-1, -2) @ grad_scores.to(hidden.dtype).unsqueeze(-1)).squeeze(-1)
+            from_gate = (grad_gate @ projection.to(dtype)).to(hidden.dtype)  # [C, S, H]
+            grad_wrt_hidden = from_unary + from_gate
+        if grad_selector:
+            rank = gate.shape[-1]
+            grad_projection = grad_gate.reshape(-1, rank).t() @ hidden_wide.reshape(-1, width)  # [r, H]
+            grad_before = (grad_left * gate).to(predecessor_codebook.dtype)
+            grad_after = (grad_scores.unsqueeze(-1) * left.unsqueeze(-2)).to(successor_codebook.dtype)
+
+    correct = valid & present & (scores.argmax(dim=-1) == target)  # [C, S]
+    prefix = torch.cumprod(correct.to(torch.int64), dim=1).sum(dim=1)  # [C]
+    totals = torch.stack([loss.double(), weights.sum().double(), prefix.sum().double(), valid[:, 0].sum().double()])
+    per_slot = torch.stack([correct.sum(dim=0), (valid & present).sum(dim=0), valid.sum(dim=0)]).double()
+    return _ChunkResult(totals, per_slot, ids, grad_wrt_hidden, grad_projection, grad_before, grad_after)

@@ -32,6 +32,7 @@ class SelectorObjective:
         gold_injection: bool,
         stop_gradient: bool,
         device: torch.device,
+        compile: bool = False,
     ) -> None:
         self.block_size = block_size
         self.gamma = gamma
@@ -42,6 +43,7 @@ class SelectorObjective:
         self.gold_injection = gold_injection
         self.stop_gradient = stop_gradient
         self.device = device
+        self.compile = compile  # the term's per-chunk function compiled (CUDA), as `loss.compile` does the base's
         self._step = SelectorMetrics.zeros(block_size, device=device)
         self._window = SelectorMetrics.zeros(block_size, device=device)
         self._alpha = 0.0
@@ -60,7 +62,9 @@ class SelectorObjective:
         step: int,
         total_steps: int,
     ) -> LossOutput:
-        """`base` with alpha(step) * L_sel added to its loss (its metrics stay the base's)."""
+        """`base` with alpha(step) * L_sel added to its loss (its metrics stay the base's). The candidates are
+        `base.candidates` where the base loss ranked them (`dflash_loss(candidates_top_k=K)`: one LM head per slot
+        for both terms), else the selector runs the LM head itself."""
         predecessors = torch.cat([block_ids[..., :1], labels[..., :-1]], dim=-1)  # [R, N, B]
         out = selector_loss(
             hidden,
@@ -74,6 +78,8 @@ class SelectorObjective:
             stop_gradient=self.stop_gradient,
             chunk_blocks=self.chunk_blocks,
             lm_head_bias=lm_head_bias,
+            candidates=base.candidates,
+            compile=self.compile,
         )
         self._alpha = selector_weight_at(
             step, total_steps, weight=self.weight, warmup_ratio=self.warmup_ratio, ramp_ratio=self.ramp_ratio
