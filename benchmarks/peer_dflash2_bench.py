@@ -241,6 +241,24 @@ def unshare_fused_loss_autotuners() -> list[str]:
     return shared
 
 
+def tv_metric_outside_the_graph() -> None:
+    """speculators' DFlash2 forward also computes an acceptance metric with the fused TV kernel, under no_grad, after
+    its fused unary loss: the same Triton forward kernel twice in one compiled graph, which Dynamo (torch 2.11)
+    refuses to trace for the same reason as above (the kernel's configs list wrapped twice). The metric's call runs
+    outside the graph instead (a graph break at that call): the same kernel, launched eagerly, still in the timed
+    step."""
+    import torch
+    from speculators.losses import utils
+
+    find_kernel = utils._fused_kernel
+
+    def fused_kernel(name: str):
+        kernel = find_kernel(name)
+        return torch.compiler.disable(kernel) if name == "fused_tv_loss" else kernel
+
+    utils._fused_kernel = fused_kernel
+
+
 # ---------------------------------------------------------------------------------------------------- data
 
 
@@ -692,6 +710,8 @@ def main() -> None:
     if args.loss_impl == "fused" and not args.no_autotuner_patch:
         try:
             result["fused_autotuner_lists_unshared"] = unshare_fused_loss_autotuners()
+            tv_metric_outside_the_graph()
+            result["tv_metric_outside_the_graph"] = True
         except Exception as error:
             log(f"fused-loss autotuner fix not applied: {type(error).__name__}: {error}")
     torch.manual_seed(args.seed)
