@@ -181,3 +181,27 @@ def test_gpu_step_has_no_recompiles_after_the_first_shapes(tmp_path):
     assert len({shape for shape, _ in later}) > 1  # the case meets several shapes
     # Nothing compiled after the first step (a batch of one row may specialise once: dim 1 is never symbolic).
     assert all(new == 0 for _, new in later), list(zip(shapes, compiled_at, strict=True))
+
+
+def test_compiled_selector_term_on_gpu_matches_its_eager_self_in_bf16():
+    """DFlash2's selector term compiled per chunk (the training path on CUDA, whole chunks padded) against the same
+    function run eagerly on the same GPU: the same candidates, so the same metrics (counts) exactly, and the loss and
+    every gradient within bf16 rounding (Inductor fuses the casts the eager ops round one by one)."""
+    from test_dflash2 import selector_inputs, selector_results
+
+    inputs = selector_inputs(dtype=torch.bfloat16, blocks=7, bias=True)
+    inputs = {
+        **inputs,
+        "hidden": inputs["hidden"].detach().cuda().requires_grad_(),
+        "selector": inputs["selector"].cuda(),
+        **{k: inputs[k].cuda() for k in ("lm_head_weight", "lm_head_bias", "labels", "predecessors", "valid")},
+    }
+    eager = selector_results(inputs, chunk_blocks=3, compile=False)  # 14 blocks: chunks of 3, the last one padded
+    compiled = selector_results(inputs, chunk_blocks=3, compile=True)
+    names = ["loss", "metrics", "hidden", "projection", "before", "after"]
+    for name, a, b in zip(names, eager, compiled, strict=True):
+        if name == "metrics":
+            assert torch.allclose(a, b, rtol=1e-5, atol=1e-6), name  # float64 sums of the same choices
+        else:
+            scale = a.float().abs().max().clamp_min(1e-6)
+            assert (a.float() - b.float()).abs().max() <= 2e-2 * scale, name
