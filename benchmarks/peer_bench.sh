@@ -5,14 +5,7 @@
 # Usage on the GPU machine, from the repo root, with .peer/ = shared/peer-bench plus its wheels
 # (bash .peer/get-wheels.sh .peer/whl) copied in:  OUT=... bash benchmarks/peer_bench.sh   -> $OUT/peer.json, peer.log
 set -u
-OUT=${OUT:-/tmp/peer_out}
-mkdir -p "$OUT"
-if [ ! -d .peer/whl ]; then
-  echo "peer_bench: .peer/whl is missing (copy shared/peer-bench to .peer and run its get-wheels.sh whl)" >&2
-  exit 2
-fi
-SITE=/tmp/peer_site
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" .peer/whl/*.whl
+source benchmarks/peer_site.sh peer_bench
 set -o pipefail
 cd .peer && PYTHONPATH=$SITE PYTHONUNBUFFERED=1 timeout "${PEER_TIMEOUT:-300}" python3 bench_speculators.py \
   --num-layers 5 --block-size 16 --target-layer-ids 1,9,17,25,33 --attn simple_flex_attention --full-attention \

@@ -12,14 +12,7 @@ set -u
 SETTING=${1:-paper}
 BLOCK=${2:-8}
 shift $(($# < 2 ? $# : 2))
-OUT=${OUT:-/tmp/peer_out}
-mkdir -p "$OUT"
-if [ ! -d .peer/whl ]; then
-  echo "peer_dflash2_bench: .peer/whl is missing (copy shared/peer-bench to .peer and run its get-wheels.sh whl)" >&2
-  exit 2
-fi
-SITE=/tmp/peer_site
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" .peer/whl/*.whl
+source benchmarks/peer_site.sh peer_dflash2_bench
 NAME=peer_dflash2-$SETTING-b$BLOCK
 set -o pipefail
 PYTHONPATH=$SITE:src PYTHONUNBUFFERED=1 timeout "${PEER_TIMEOUT:-420}" python3 benchmarks/peer_dflash2_bench.py \
