@@ -30,7 +30,8 @@ Settings (`--setting`; every value can be overridden by its flag):
     for 28 % of the documents, else 4-114; the distribution of `smollm2_documents` in src/dflash_trainer/bench.py),
     anchors = the sum over documents of min(64, reply - 1) (the recipe's 64 per document), CE with D-PACE slot
     weights, AdamW lr 2e-3, full attention, mask token 16.
-  Block size 8 by default (DFlash2's, and the DFlash2 recipe's); `--block-size 16` for the paper's DFlash block.
+  Block size 8 by default (the published DFlash2 checkpoints'); `--block-size 16` for the DFlash2 recipe's and the
+  paper's DFlash block.
   The peer draws its anchors per row, uniformly over the supervised positions, not per document: the number of
   blocks per step is ours, their spread over the documents is its own.
 
