@@ -11,7 +11,8 @@
 #   bash benchmarks/gpu_session.sh start     [.gguf1 .whl]   wheels, GGUF part 1, two copies of the tree
 #   CANDIDATE="k=v ..." bash benchmarks/gpu_session.sh main  [.gguf2 .mix]  GGUF part 2, the two jobs
 #   (MAIN_OVERRIDES="k=v ..." changes the GPU 0 job too, e.g. to try a recipe change there while GPU 1 sweeps)
-#   (then the export's latency evaluation at batch 1, 24 prompts per set, ~2.5 min; LATENCY_EVAL=0: none)
+#   (then the export's latency evaluation at batch 1, 24 prompts per set, eager and compiled drafter, ~4 min;
+#   LATENCY_EVAL=0: none)
 #   (RECIPE=NAME: GPU 0 trains that recipe instead of the default, e.g. RECIPE=smollm2-135m-gpu-general with
 #   PROMPTS=/tmp/mix-general-80k.jsonl.gz MAIN_OVERRIDES="prepare.shares={}", the recipe's prompts exported into
 #   `.mixg` (copied in instead of `.mix`) in the shares the recipe names, which apply to a named source only)
@@ -157,13 +158,15 @@ case "$STAGE" in
     fi
     # The main job: the README's GPU command, with the exported prompts instead of the (absent) data packages. Then,
     # unless LATENCY_EVAL=0, its export evaluated one prompt at a time (`eval --batch-size 1`, 24 prompts per set,
-    # ~2.5 min; the export is found in the job's last line naming it): the latency a single user sees, which the
-    # job's own evaluation at a large batch does not show. Its eval.json lands in $RES/eval-b1, its table in main.log.
+    # ~2 min each; the export is found in the job's last line naming it), as it is and with `--compile-drafter`: the
+    # latency a single user sees, which the job's own evaluation at a large batch does not show. The eval.json files
+    # land in $RES/eval-b1 and $RES/eval-b1-compiled, the tables in main.log.
     latency=""
     if [ "${LATENCY_EVAL:-1}" = 1 ]; then
       latency="export_dir=\$(grep -o 'exported drafter (vLLM / SGLang format): .*' $RES/main.log | tail -n 1 | sed 's/.*: //'); \
-        [ -n \"\$export_dir\" ] && timeout 300 python3 -m dflash_trainer eval --drafter \"\$export_dir\" --num-prompts 24 \
-        --max-new-tokens 256 --batch-size 1 --out $RES/eval-b1;"
+        for variant in eval-b1 eval-b1-compiled; do [ -n \"\$export_dir\" ] && timeout 300 python3 -m dflash_trainer eval \
+        --drafter \"\$export_dir\" --num-prompts 24 --max-new-tokens 256 --batch-size 1 --out $RES/\$variant \
+        \$([ \$variant = eval-b1-compiled ] && echo --compile-drafter); done;"
     fi
     bg main "$first cd $REPO && export CUDA_VISIBLE_DEVICES=0 OMP_NUM_THREADS=8 PYTHONPATH=$REPO/src:$SITE && \
       date +%s > $RES/main.start && python3 -m dflash_trainer train ${RECIPE:-} prepare.source=$PROMPTS ${MAIN_OVERRIDES:-}; \

@@ -123,12 +123,16 @@ def test_evaluate_reports_dflash2_tau_pooled_and_per_prompt(chat_target, tmp_pat
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_dflash2_in_captured_cuda_graphs_is_lossless(dtype):
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_dflash2_in_captured_cuda_graphs_is_lossless(dtype, compiled):
     """The walk runs inside the captured decoding step: float32 must equal greedy decoding exactly; bf16 may differ
-    only at a near-tie (`verify_lossless`, DESIGN "Lossless check precision")."""
+    only at a near-tie (`verify_lossless`, DESIGN "Lossless check precision"). Also with the drafter's pieces
+    compiled by Inductor (`compile_for_decoding`), whose kernels the captured graphs then replay."""
     device = torch.device("cuda")
     target = target_model().to(device=device, dtype=dtype)
     drafter = dflash2_drafter(target, block_size=8).to(device=device, dtype=dtype)
+    if compiled:
+        drafter.compile_for_decoding()
     batch = prompts(4)
     run = SpeculativeDecoder(target, drafter, batch, max_new_tokens=64, stop_token_ids=[]).run()
     assert run.graphs_captured > 0

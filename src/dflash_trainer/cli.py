@@ -215,6 +215,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
         out_dir=args.out,
         dtype=args.dtype,
         batch_size=args.batch_size,
+        compile_drafter=args.compile_drafter,
     )
     return 0
 
@@ -393,6 +394,11 @@ def build_parser() -> argparse.ArgumentParser:
         type=count_from(1),
         default=None,
         help="prompts decoded together when timing (default: both 1, one request at a time, and all of a set)",
+    )
+    evaluate.add_argument(
+        "--compile-drafter",
+        action="store_true",
+        help="compile the drafter's norms and MLPs (DFlash2: also its convolutions and walk): fewer kernels per step",
     )
     evaluate.set_defaults(run=cmd_eval)
 

@@ -135,6 +135,8 @@ class EvalReport:
     complete: bool = True  # False while datasets remain (a report written after each dataset)
     # `provenance.drafter_digest` of the weights evaluated: a model card shows only reports of its own weights.
     drafter_digest: str = ""
+    # The drafter's norms, MLPs (and DFlash2's convolutions and walk) compiled for decoding (`compile_drafter`).
+    compiled_drafter: bool = False
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -237,11 +239,13 @@ def evaluate(
     seed: int = 0,
     batch_size: int | None = None,
     recurrent_state_dtype: torch.dtype | None = None,
+    compile_drafter: bool = False,
 ) -> EvalReport:
     """Run the evaluation described in the module docstring; write `eval.json` and the PNG to `out_dir` after
     every dataset. `batch_size`: prompts decoded together (None: timed at batch 1 and with all prompts of a
     dataset at once). `recurrent_state_dtype`: the decoders' delta-rule states of a hybrid target (None:
-    float32)."""
+    float32). `compile_drafter`: compile the drafter's cache-free pieces first (`compile_for_decoding`: fewer
+    kernels per decoding step; the drafter stays compiled, so pass one that is not trained further)."""
     if not datasets:
         raise ValueError("datasets: need at least one prompt set")
     if batch_size is not None and batch_size < 1:
@@ -257,7 +261,10 @@ def evaluate(
         datasets=[],
         complete=False,
         drafter_digest=drafter_digest(drafter.state_dict()),
+        compiled_drafter=compile_drafter,
     )
+    if compile_drafter:
+        drafter.compile_for_decoding()  # compiled in the warm-up below, before any CUDA graph is captured
     sampling = SamplingParams(temperature=temperature)
     was_training = drafter.training
     drafter.eval()
@@ -474,7 +481,8 @@ def format_table(report: EvalReport) -> str:
     )
     lines = [
         f"target {report.target} ({report.dtype}), block {report.block_size}, temperature {report.temperature}, "
-        f"max {report.max_new_tokens} new tokens; tau pooled over steps and tau/pr the mean over prompts; "
+        f"max {report.max_new_tokens} new tokens{', drafter compiled' if report.compiled_drafter else ''}; "
+        "tau pooled over steps and tau/pr the mean over prompts; "
         "tok/s at the batch shown (an indication: a serving engine measures deployable speed-up)",
         header,
         "-" * len(header),

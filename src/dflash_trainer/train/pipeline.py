@@ -277,6 +277,7 @@ def _run_training(
             out_dir=run_dir / "eval",
             batch_size=config.eval.batch_size,
             recurrent_state_dtype=STATE_DTYPES[config.target.recurrent_state_dtype],
+            compile_drafter=config.eval.compile_drafter,
         )
         print(report.format_table())
         refresh_model_card(export_dir, report.to_dict())  # the card shows the held-out tau of these weights
@@ -491,6 +492,7 @@ def eval_command(
     out_dir: str | None,
     dtype: str,
     batch_size: int | None = None,
+    compile_drafter: bool = False,
 ) -> None:
     from ..eval.runner import evaluate
     from ..export import cast_keeping_rope_fp32, check_drafter_fits_target, read_export_config, refresh_model_card
@@ -539,6 +541,7 @@ def eval_command(
         batch_size=batch_size,
         # As the run that trained the drafter decoded (an export without its run config: auto).
         recurrent_state_dtype=STATE_DTYPES[target_config.recurrent_state_dtype] if target_config else None,
+        compile_drafter=compile_drafter,
     )
     print(report.format_table())
     # The card of an export shows the evaluation kept beside it (the default --out, `eval/` in the export).

@@ -22,6 +22,8 @@ below the tap), SGLang PR #35371 and llama.cpp PR #27342 (the same formula).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -56,6 +58,10 @@ class GroupedDynamicCausalConv(nn.Module):
     def finish(self, y: Tensor, delta: Tensor) -> Tensor:
         """y [R, L, H] the sublayer's output, delta [R, L, T, G] from `prepare` -> convolved output [R, L, H]."""
         return self._convolve(y, delta, side=1)
+
+    def compile_convolution(self, backend: str | Callable = "inductor") -> None:
+        """The convolution compiled with symbolic sizes (`DFlash2Drafter.compile_for_decoding`: decoding only)."""
+        self._convolve = torch.compile(self._convolve, dynamic=True, backend=backend)
 
     def _convolve(self, x: Tensor, delta: Tensor, *, side: int) -> Tensor:
         # On the flat sequence, with the block boundary as a mask on the slot index (position % block_size, blocks

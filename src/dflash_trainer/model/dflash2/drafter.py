@@ -16,6 +16,9 @@ The final norm, the target's LM head and the selector (`selector.py`) then turn 
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
+import torch
 from torch import Tensor
 
 from ..attention import Backend
@@ -74,3 +77,13 @@ class DFlash2Drafter(DFlashDrafter):
     def draft_tokens(self, hidden: Tensor, logits: Tensor, anchor_tokens: Tensor) -> Tensor:
         """The selector's greedy walk over the unary top-k from the anchor (`selector.py`)."""
         return self.candidate_selector.walk(hidden, logits, anchor_tokens)
+
+    def compile_for_decoding(self, backend: str | Callable = "inductor") -> None:
+        """DFlash's pieces (`DFlashDrafter.compile_for_decoding`), the convolutions (about 12 small ops each
+        eager, four per layer) and the selector's walk (a few ops per slot, unrolled by the compiler)."""
+        super().compile_for_decoding(backend)
+        for module in self.modules():
+            if isinstance(module, GroupedDynamicCausalConv):
+                module.compile_convolution(backend)
+        selector = self.candidate_selector
+        selector.walk = torch.compile(selector.walk, dynamic=True, backend=backend)

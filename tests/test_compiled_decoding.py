@@ -1,0 +1,184 @@
+"""The drafter compiled for decoding (`DFlashDrafter.compile_for_decoding`): the same drafts as the eager drafter, so
+speculative decoding stays lossless with the same accepted lengths, for DFlash and DFlash2; the evaluation and the
+CLI take the option and the report records it; with Inductor a decoding step runs fewer kernels."""
+
+from __future__ import annotations
+
+import copy
+import json
+import shutil
+
+import pytest
+import torch
+from transformers import Qwen3Config, Qwen3ForCausalLM
+
+from decoding_helpers import one_thread, seeded  # noqa: F401 (one_thread: autouse fixture)
+from dflash_trainer import cli
+from dflash_trainer.decoding.plain import target_generate_batch
+from dflash_trainer.decoding.speculative import SpeculativeDecoder
+from dflash_trainer.model.config import DrafterModelConfig
+from dflash_trainer.model.dflash2 import DFlash2Drafter, DFlash2ModelConfig
+from dflash_trainer.model.drafter import DFlashDrafter
+from dflash_trainer.targets.loader import LoadedTarget
+
+VOCAB, HIDDEN = 64, 64
+
+
+def target_model(vocab: int = VOCAB) -> Qwen3ForCausalLM:
+    config = Qwen3Config(
+        vocab_size=vocab,
+        hidden_size=HIDDEN,
+        intermediate_size=128,
+        num_hidden_layers=6,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=512,
+        tie_word_embeddings=False,
+        attn_implementation="sdpa",
+    )
+    return seeded(lambda: Qwen3ForCausalLM(config).eval(), 0)
+
+
+def drafter_of(algorithm: str, target: Qwen3ForCausalLM, block_size: int = 4) -> DFlashDrafter:
+    base = DrafterModelConfig.from_target(
+        target.config, num_layers=2, block_size=block_size, mask_token_id=VOCAB - 1, num_target_features=3
+    )
+    if algorithm == "dflash":
+        return seeded(lambda: DFlashDrafter(base).eval(), 1)
+    config = DFlash2ModelConfig.extend(base, conv_kernel_size=2, conv_group_size=16, selector_rank=8, selector_top_k=8)
+
+    def build() -> DFlash2Drafter:
+        drafter = DFlash2Drafter(config).eval()
+        with torch.no_grad():  # away from the identity convolutions and the no-op selector, so both are exercised
+            for name, parameter in drafter.named_parameters():
+                if "conv" in name or "candidate_selector" in name:
+                    parameter.add_(0.5 * torch.randn_like(parameter))
+        return drafter
+
+    return seeded(build, 1)
+
+
+def prompts() -> list[list[int]]:
+    generator = torch.Generator().manual_seed(0)
+    return [torch.randint(0, VOCAB - 1, (length,), generator=generator).tolist() for length in (7, 12, 19)]
+
+
+class GraphCounter:
+    """A dynamo backend that runs the traced graph as it is (same ops, same numbers) and counts the graphs."""
+
+    def __init__(self) -> None:
+        self.graphs = 0
+
+    def __call__(self, graph_module: torch.fx.GraphModule, example_inputs: list) -> object:
+        self.graphs += 1
+        return graph_module.forward
+
+
+@pytest.mark.parametrize("algorithm", ["dflash", "dflash2"])
+def test_the_compiled_drafter_drafts_what_the_eager_one_drafts(algorithm):
+    torch._dynamo.reset()
+    target = target_model()
+    eager = drafter_of(algorithm, target)
+    compiled = copy.deepcopy(eager)
+    counter = GraphCounter()
+    compiled.compile_for_decoding(backend=counter)
+    common = dict(max_new_tokens=20, stop_token_ids=[])
+    reference = target_generate_batch(target, prompts(), **common).results
+    for batch in (prompts(), prompts()[:1]):  # three rows, then one (a size-1 batch compiles once more)
+        expected = SpeculativeDecoder(target, eager, batch, **common).run().results
+        got = SpeculativeDecoder(target, compiled, batch, **common).run().results
+        assert [r.output_ids for r in got] == [r.output_ids for r in expected]
+        assert [r.accepted_lengths for r in got] == [r.accepted_lengths for r in expected]
+        assert [r.output_ids for r in got] == [r.output_ids for r in reference[: len(batch)]]
+    # Through compiled code, and a handful of graphs (symbolic sizes), not one per call or per module.
+    assert 2 <= counter.graphs <= 14, counter.graphs
+
+
+def test_evaluate_compiles_the_drafter_when_asked_and_says_so(tiny_chat_tokenizer, tmp_path, monkeypatch):
+    from dflash_trainer.eval.runner import evaluate
+
+    model = target_model(vocab=len(tiny_chat_tokenizer))
+    target = LoadedTarget(
+        model=model,
+        tokenizer=tiny_chat_tokenizer,
+        config=model.config,
+        name="tiny-qwen3",
+        stop_token_ids=[2],
+        device=torch.device("cpu"),
+        dtype=torch.float32,
+    )
+    prompt_file = tmp_path / "prompts.jsonl"
+    prompt_file.write_text(
+        "".join(json.dumps({"id": f"p{i}", "prompt": f"w{i} w{2 * i} w{3 * i}"}) + "\n" for i in range(3))
+    )
+    calls = []
+    original = DFlashDrafter.compile_for_decoding
+
+    def without_inductor(self, backend="inductor"):  # the CPU suite has no C++ compiler to count on
+        calls.append(backend)
+        original(self, backend="aot_eager")
+
+    monkeypatch.setattr(DFlashDrafter, "compile_for_decoding", without_inductor)
+    report = evaluate(
+        target,
+        drafter_of("dflash", model),
+        [str(prompt_file)],
+        num_prompts=3,
+        max_new_tokens=8,
+        progress=False,
+        batch_size=3,
+        out_dir=tmp_path / "eval",
+        compile_drafter=True,
+    )
+    assert calls == ["inductor"] and report.compiled_drafter
+    assert report.datasets[0].exact_matches == 3  # lossless with the compiled drafter
+    assert "drafter compiled" in report.format_table()
+    assert json.loads((tmp_path / "eval" / "eval.json").read_text())["compiled_drafter"] is True
+
+
+def test_the_eval_command_takes_the_compile_option():
+    args = cli.build_parser().parse_args(["eval", "--drafter", "runs/x/export", "--compile-drafter"])
+    assert args.compile_drafter is True
+    assert cli.build_parser().parse_args(["eval", "--drafter", "runs/x/export"]).compile_drafter is False
+
+
+def _ops_per_step(decoder: SpeculativeDecoder) -> int:
+    """Eager aten ops that launch work (views left out) plus Inductor's fused kernels, in one decoding step."""
+    views = {"view", "as_strided", "expand", "slice", "select", "unsqueeze", "t", "transpose", "empty", "detach"}
+    views |= {"alias", "squeeze", "permute", "empty_strided", "_unsafe_view", "reshape", "unbind", "split", "to"}
+    views |= {"split_with_sizes", "narrow", "expand_as", "view_as", "contiguous", "flatten", "item", "_to_copy"}
+    views |= {"resolve_conj", "resolve_neg", "result_type", "_local_scalar_dense", "lift_fresh", "unflatten"}
+
+    def counts(event) -> bool:
+        return event.name.startswith("aten::") and event.name[6:] not in views
+
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
+        decoder._step(decoder.cache.max_len)
+    events = profile.events()
+    fused = sum("cpp_fused" in event.name for event in events)
+    leaves = sum(counts(event) and not any(counts(child) for child in event.cpu_children) for event in events)
+    return fused + leaves
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(shutil.which("g++") is None, reason="Inductor's CPU kernels need a C++ compiler")
+def test_with_inductor_a_dflash2_step_runs_fewer_kernels(monkeypatch):
+    """Why the option exists: at batch 1 a step's time follows its kernel count (compile_for_decoding)."""
+    import torch._inductor.config as inductor_config
+
+    monkeypatch.setattr(inductor_config.cpp, "enable_kernel_profile", True)  # fused kernels show in the profile
+    torch._dynamo.reset()
+    target = target_model()
+    eager = drafter_of("dflash2", target, block_size=8)
+    compiled = copy.deepcopy(eager)
+    compiled.compile_for_decoding()
+    ops = {}
+    for name, drafter in (("eager", eager), ("compiled", compiled)):
+        decoder = SpeculativeDecoder(target, drafter, prompts()[:1], max_new_tokens=40, stop_token_ids=[])
+        with torch.inference_mode():  # as `run` decodes
+            decoder._prefill()
+            decoder._step(decoder.cache.max_len)  # compiles the batch-1 shapes
+            ops[name] = _ops_per_step(decoder)
+    # The two-layer drafter's norms, MLPs, convolutions and walk: about a third of the step's ops eager.
+    assert ops["compiled"] < 0.85 * ops["eager"], ops
