@@ -43,14 +43,14 @@ class RMSNorm(nn.Module):
         return (self.weight * x32).to(dtype)
 
 
-def fused_linear(x: Tensor, layers: Sequence[nn.Linear]) -> list[Tensor]:
+def fused_linear(x: Tensor, layers: Sequence[nn.Linear], *, fp8: bool = True) -> list[Tensor]:
     """The outputs of several Linear layers that read the same input, from one matmul over their concatenated
     weights (and biases). The parameters, and with them the checkpoint names, stay separate; the step runs one
     wider GEMM instead of narrow ones (q/k/v: 576 / 192 / 192 columns on SmolLM2), in the backward too. In FP8
-    when all of them train in FP8 (`model/fp8.py`: the concatenated weight is quantised as one)."""
+    when all of them train in FP8 (`model/fp8.py`: the concatenated weight is quantised as one) and `fp8` allows it."""
     weight = torch.cat([layer.weight for layer in layers])  # [sum(out), in]
     bias = None if layers[0].bias is None else torch.cat([layer.bias for layer in layers])
-    if all(isinstance(layer, Fp8TrainingLinear) and layer.training for layer in layers):
+    if fp8 and all(isinstance(layer, Fp8TrainingLinear) and layer.training for layer in layers):
         out = fp8_linear(x, weight, bias, rowwise=layers[0].rowwise)
     else:
         out = F.linear(x, weight, bias)
@@ -120,7 +120,10 @@ class DrafterAttention(nn.Module):
         q, k_blk, v_blk = fused_linear(x, (self.q_proj, self.k_proj, self.v_proj))
         q = self.q_norm(q.view(rows, q_len, self.heads, self.head_dim)).transpose(1, 2)
         q = apply_rope(q, *block_rope)  # [R, Hq, Q, D]
-        k_ctx, v_ctx = self._keys_values(*fused_linear(ctx, (self.k_proj, self.v_proj)), *ctx_rope)
+        # The context's keys and values stay in bf16 with FP8 linears: a narrow GEMM (2 x kv columns) over many rows,
+        # where quantising the rows costs more than FP8 saves (paper setting, forward + backward: 1.32 ms in FP8
+        # against 0.70 in bf16 per layer, benchmarks/BENCHMARKS.md 2026-12-03).
+        k_ctx, v_ctx = self._keys_values(*fused_linear(ctx, (self.k_proj, self.v_proj), fp8=False), *ctx_rope)
         if cache is not None:
             # The cache returns the context this layer attends to (on window layers only what the window can reach:
             # decoding/drafter_step.py), masked by `mask` together with the block.
