@@ -163,14 +163,15 @@ case "$STAGE" in
     # land in $RES/eval-b1 and $RES/eval-b1-compiled, the tables in main.log.
     latency=""
     if [ "${LATENCY_EVAL:-1}" = 1 ]; then
-      latency="export_dir=\$(grep -o 'exported drafter (vLLM / SGLang format): .*' $RES/main.log | tail -n 1 | sed 's/.*: //'); \
-        for variant in eval-b1 eval-b1-compiled; do [ -n \"\$export_dir\" ] && timeout 300 python3 -m dflash_trainer eval \
-        --drafter \"\$export_dir\" --num-prompts 24 --max-new-tokens 256 --batch-size 1 --out $RES/\$variant \
-        \$([ \$variant = eval-b1-compiled ] && echo --compile-drafter); done;"
+      latency="[ \$rc != 0 ] || { export_dir=\$(grep -o 'exported drafter (vLLM / SGLang format): .*' $RES/main.log | \
+        tail -n 1 | sed 's/.*: //'); for variant in eval-b1 eval-b1-compiled; do timeout 420 python3 -m dflash_trainer \
+        eval --drafter \"\$export_dir\" --num-prompts 24 --max-new-tokens 256 --batch-size 1 --out $RES/\$variant \
+        \$([ \$variant = eval-b1-compiled ] && echo --compile-drafter); done; };"
     fi
+    # main.rc is the training's exit status; the latency evaluations run only after a training that succeeded.
     bg main "$first cd $REPO && export CUDA_VISIBLE_DEVICES=0 OMP_NUM_THREADS=8 PYTHONPATH=$REPO/src:$SITE && \
       date +%s > $RES/main.start && python3 -m dflash_trainer train ${RECIPE:-} prepare.source=$PROMPTS ${MAIN_OVERRIDES:-}; \
-      date +%s > $RES/main.end; $latency"
+      rc=\$?; date +%s > $RES/main.end; $latency (exit \$rc)"
     if [ "$GPUS" -gt 1 ] && [ -n "${CANDIDATE:-}" ]; then
       echo "$CANDIDATE" > "$RES/candidate.overrides"
       bg candidate "cd $REPO2 && export CUDA_VISIBLE_DEVICES=1 OMP_NUM_THREADS=8 PYTHONPATH=$REPO2/src:$SITE && \

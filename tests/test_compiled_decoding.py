@@ -112,12 +112,14 @@ def test_evaluate_compiles_the_drafter_when_asked_and_says_so(tiny_chat_tokenize
     prompt_file.write_text(
         "".join(json.dumps({"id": f"p{i}", "prompt": f"w{i} w{2 * i} w{3 * i}"}) + "\n" for i in range(3))
     )
+    torch._dynamo.reset()  # no graphs of other tests' backends in the code objects' caches
     calls = []
+    counter = GraphCounter()
     original = DFlashDrafter.compile_for_decoding
 
     def without_inductor(self, backend="inductor"):  # the CPU suite has no C++ compiler to count on
         calls.append(backend)
-        original(self, backend="aot_eager")
+        original(self, backend=counter)
 
     monkeypatch.setattr(DFlashDrafter, "compile_for_decoding", without_inductor)
     report = evaluate(
@@ -132,6 +134,7 @@ def test_evaluate_compiles_the_drafter_when_asked_and_says_so(tiny_chat_tokenize
         compile_drafter=True,
     )
     assert calls == ["inductor"] and report.compiled_drafter
+    assert 1 <= counter.graphs <= 8, counter.graphs  # decoded through compiled code, within dynamo's cache limit
     assert report.datasets[0].exact_matches == 3  # lossless with the compiled drafter
     assert "drafter compiled" in report.format_table()
     assert json.loads((tmp_path / "eval" / "eval.json").read_text())["compiled_drafter"] is True

@@ -264,7 +264,9 @@ def evaluate(
         compiled_drafter=compile_drafter,
     )
     if compile_drafter:
-        drafter.compile_for_decoding()  # compiled in the warm-up below, before any CUDA graph is captured
+        # Compiled at each new shape's first eager run (the warm-up, a batch's prefill, a graph key's first step),
+        # never while a CUDA graph is captured (`decoding/graphs.py`).
+        drafter.compile_for_decoding()
     sampling = SamplingParams(temperature=temperature)
     was_training = drafter.training
     drafter.eval()
