@@ -10,58 +10,27 @@ import shutil
 
 import pytest
 import torch
-from transformers import Qwen3Config, Qwen3ForCausalLM
 
-from decoding_helpers import one_thread, seeded  # noqa: F401 (one_thread: autouse fixture)
+from decoding_helpers import one_thread  # noqa: F401 (autouse fixture)
 from dflash_trainer import cli
 from dflash_trainer.decoding.plain import target_generate_batch
 from dflash_trainer.decoding.speculative import SpeculativeDecoder
-from dflash_trainer.model.config import DrafterModelConfig
-from dflash_trainer.model.dflash2 import DFlash2Drafter, DFlash2ModelConfig
 from dflash_trainer.model.drafter import DFlashDrafter
 from dflash_trainer.targets.loader import LoadedTarget
-
-VOCAB, HIDDEN = 64, 64
-
-
-def target_model(vocab: int = VOCAB) -> Qwen3ForCausalLM:
-    config = Qwen3Config(
-        vocab_size=vocab,
-        hidden_size=HIDDEN,
-        intermediate_size=128,
-        num_hidden_layers=6,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        max_position_embeddings=512,
-        tie_word_embeddings=False,
-        attn_implementation="sdpa",
-    )
-    return seeded(lambda: Qwen3ForCausalLM(config).eval(), 0)
+from test_dflash2_decoding import dflash2_drafter, target_model
+from test_dflash2_decoding import prompts as dflash2_prompts
+from test_speculative import drafter_for
 
 
-def drafter_of(algorithm: str, target: Qwen3ForCausalLM, block_size: int = 4) -> DFlashDrafter:
-    base = DrafterModelConfig.from_target(
-        target.config, num_layers=2, block_size=block_size, mask_token_id=VOCAB - 1, num_target_features=3
-    )
+def drafter_of(algorithm: str, target, block_size: int = 4) -> DFlashDrafter:
+    """A random two-layer drafter; DFlash2's with its convolutions and selector away from their no-op start."""
     if algorithm == "dflash":
-        return seeded(lambda: DFlashDrafter(base).eval(), 1)
-    config = DFlash2ModelConfig.extend(base, conv_kernel_size=2, conv_group_size=16, selector_rank=8, selector_top_k=8)
-
-    def build() -> DFlash2Drafter:
-        drafter = DFlash2Drafter(config).eval()
-        with torch.no_grad():  # away from the identity convolutions and the no-op selector, so both are exercised
-            for name, parameter in drafter.named_parameters():
-                if "conv" in name or "candidate_selector" in name:
-                    parameter.add_(0.5 * torch.randn_like(parameter))
-        return drafter
-
-    return seeded(build, 1)
+        return drafter_for(target, block_size=block_size, seed=1)
+    return dflash2_drafter(target, block_size=block_size, seed=1)
 
 
 def prompts() -> list[list[int]]:
-    generator = torch.Generator().manual_seed(0)
-    return [torch.randint(0, VOCAB - 1, (length,), generator=generator).tolist() for length in (7, 12, 19)]
+    return dflash2_prompts(3)
 
 
 class GraphCounter:
