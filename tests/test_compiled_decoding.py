@@ -11,12 +11,11 @@ import shutil
 import pytest
 import torch
 
-from decoding_helpers import one_thread  # noqa: F401 (autouse fixture)
+from decoding_helpers import cpu_target, one_thread  # noqa: F401 (one_thread: autouse fixture)
 from dflash_trainer import cli
 from dflash_trainer.decoding.plain import target_generate_batch
 from dflash_trainer.decoding.speculative import SpeculativeDecoder
 from dflash_trainer.model.drafter import DFlashDrafter
-from dflash_trainer.targets.loader import LoadedTarget
 from test_dflash2_decoding import dflash2_drafter, target_model
 from test_dflash2_decoding import prompts as dflash2_prompts
 from test_speculative import drafter_for
@@ -68,15 +67,7 @@ def test_evaluate_compiles_the_drafter_when_asked_and_says_so(tiny_chat_tokenize
     from dflash_trainer.eval.runner import evaluate
 
     model = target_model(vocab=len(tiny_chat_tokenizer))
-    target = LoadedTarget(
-        model=model,
-        tokenizer=tiny_chat_tokenizer,
-        config=model.config,
-        name="tiny-qwen3",
-        stop_token_ids=[2],
-        device=torch.device("cpu"),
-        dtype=torch.float32,
-    )
+    target = cpu_target(model, tiny_chat_tokenizer, "tiny-qwen3")
     prompt_file = tmp_path / "prompts.jsonl"
     prompt_file.write_text(
         "".join(json.dumps({"id": f"p{i}", "prompt": f"w{i} w{2 * i} w{3 * i}"}) + "\n" for i in range(3))

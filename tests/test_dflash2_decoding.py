@@ -10,7 +10,7 @@ import pytest
 import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
-from decoding_helpers import one_thread, seeded  # noqa: F401 (one_thread: autouse fixture)
+from decoding_helpers import cpu_target, one_thread, seeded  # noqa: F401 (one_thread: autouse fixture)
 from dflash_trainer.data.prompts import load_prompt_set
 from dflash_trainer.decoding.plain import target_generate
 from dflash_trainer.decoding.speculative import SpeculativeDecoder
@@ -88,15 +88,7 @@ def test_dflash2_speculative_decoding_equals_greedy_and_drafts_from_the_walk(blo
 @pytest.fixture
 def chat_target(tiny_chat_tokenizer) -> LoadedTarget:
     model = target_model(seed=5, vocab=len(tiny_chat_tokenizer))
-    return LoadedTarget(
-        model=model,
-        tokenizer=tiny_chat_tokenizer,
-        config=model.config,
-        name="tiny-qwen3",
-        stop_token_ids=[2],
-        device=torch.device("cpu"),
-        dtype=torch.float32,
-    )
+    return cpu_target(model, tiny_chat_tokenizer, "tiny-qwen3")
 
 
 def test_evaluate_reports_dflash2_tau_pooled_and_per_prompt(chat_target, tmp_path: Path):

@@ -12,7 +12,7 @@ import torch
 from torch import Tensor
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedModel, Qwen3Config, Qwen3ForCausalLM
 
-from decoding_helpers import one_thread, seeded  # noqa: F401 (one_thread: autouse fixture)
+from decoding_helpers import cpu_target, one_thread, seeded  # noqa: F401 (one_thread: autouse fixture)
 from dflash_trainer.data.prompts import Prompt, load_prompt_set
 from dflash_trainer.decoding.plain import target_generate
 from dflash_trainer.decoding.runs import BatchRun, GenerationResult
@@ -410,15 +410,7 @@ def test_bad_requests_are_rejected():
 def chat_target(tiny_chat_tokenizer) -> LoadedTarget:
     """A random Qwen3 over the shared tiny chat tokenizer (vocab 256, EOS `<|im_end|>` = 2)."""
     model = qwen3_target(seed=5, vocab_size=len(tiny_chat_tokenizer))
-    return LoadedTarget(
-        model=model,
-        tokenizer=tiny_chat_tokenizer,
-        config=model.config,
-        name="tiny-qwen3",
-        stop_token_ids=[2],
-        device=torch.device("cpu"),
-        dtype=torch.float32,
-    )
+    return cpu_target(model, tiny_chat_tokenizer, "tiny-qwen3")
 
 
 @pytest.fixture
