@@ -397,8 +397,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     evaluate.add_argument(
         "--compile-drafter",
-        action="store_true",
-        help="compile the drafter's norms and MLPs (DFlash2: also its convolutions and walk): fewer kernels per step",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="compile the drafter's norms and MLPs (DFlash2: also its convolutions and walk): fewer kernels per step "
+        "(default: on a GPU, not on the CPU)",
     )
     evaluate.set_defaults(run=cmd_eval)
 

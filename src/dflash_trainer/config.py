@@ -418,8 +418,9 @@ class EvalConfig:
     # Prompts decoded together when the end evaluation times decoding; null: at batch 1 (latency) and all at once.
     batch_size: int | None = None
     # Compile the exported drafter's norms and MLPs (DFlash2: also its convolutions and walk) for the end
-    # evaluation: fewer kernels per decoding step (`DFlashDrafter.compile_for_decoding`); off until measured.
-    compile_drafter: bool = False
+    # evaluation: fewer kernels per decoding step (`DFlashDrafter.compile_for_decoding`); null: on a GPU (measured
+    # +19-20 % speed-up at batch 1 on an H200, equal tau), not on the CPU (where compiling costs more than it saves).
+    compile_drafter: bool | None = None
 
     def validate(self) -> None:
         _require(self.every_steps >= 0, "eval.every_steps", "must be >= 0 (0 = off)")

@@ -239,17 +239,20 @@ def evaluate(
     seed: int = 0,
     batch_size: int | None = None,
     recurrent_state_dtype: torch.dtype | None = None,
-    compile_drafter: bool = False,
+    compile_drafter: bool | None = None,
 ) -> EvalReport:
     """Run the evaluation described in the module docstring; write `eval.json` and the PNG to `out_dir` after
     every dataset. `batch_size`: prompts decoded together (None: timed at batch 1 and with all prompts of a
     dataset at once). `recurrent_state_dtype`: the decoders' delta-rule states of a hybrid target (None:
     float32). `compile_drafter`: compile the drafter's cache-free pieces first (`compile_for_decoding`: fewer
-    kernels per decoding step; the drafter stays compiled, so pass one that is not trained further)."""
+    kernels per decoding step; the drafter stays compiled, so pass one that is not trained further; None: on a GPU
+    target only)."""
     if not datasets:
         raise ValueError("datasets: need at least one prompt set")
     if batch_size is not None and batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    if compile_drafter is None:
+        compile_drafter = target.device.type == "cuda"
     # `gsm8k` is its held-out test split; `NAME:SPLIT` names another split.
     prompt_sets = {name: load_prompt_set(*split_set_name(name, "test"), limit=num_prompts) for name in datasets}
     report = EvalReport(

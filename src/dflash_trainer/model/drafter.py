@@ -313,8 +313,9 @@ class DFlashDrafter(nn.Module):
         follows their count (on SmolLM2, 1,392 ops per plain step and 1,961 per DFlash step at block 16, about
         2 us each; 1,740 with this); eager, an RMSNorm is 8 kernels (cast, square, mean, add, rsqrt, two products,
         cast), compiled one. The attention stays eager: its cache writes and `kv_len`-sized reads would recompile
-        per KV bucket. Off by default (`eval --compile-drafter`); a compiled drafter is for decoding only, not for
-        training. `backend`: another dynamo backend (a name or a callable), for tests."""
+        per KV bucket. `eval` calls it on a GPU (measured at batch 1 on an H200: a DFlash2 step 1.77 -> 1.48 target
+        steps); a compiled drafter is for decoding only, not for training. `backend`: another dynamo backend (a
+        name or a callable), for tests."""
         keep_sizes_apart()
         for module in self.modules():
             if isinstance(module, (RMSNorm, DrafterMLP)):

@@ -492,7 +492,7 @@ def eval_command(
     out_dir: str | None,
     dtype: str,
     batch_size: int | None = None,
-    compile_drafter: bool = False,
+    compile_drafter: bool | None = None,
 ) -> None:
     from ..eval.runner import evaluate
     from ..export import cast_keeping_rope_fp32, check_drafter_fits_target, read_export_config, refresh_model_card
