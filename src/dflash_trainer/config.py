@@ -328,6 +328,10 @@ class OptimConfig:
     eps: float = 1e-8
     warmup_ratio: float = 0.04
     min_lr_ratio: float = 0.0
+    # After the warmup: `cosine` to min_lr_ratio, or `wsd` (warmup-stable-decay: the peak held, then a linear decay
+    # to min_lr_ratio over the last `decay_ratio` of the steps; train/optim.py).
+    schedule: Literal["cosine", "wsd"] = "cosine"
+    decay_ratio: float = 0.2
     # Clip the gradient's global norm to this; 0 or null: no clipping (the norm is still measured and logged).
     grad_clip: float | None = 1.0
     grad_accum: int = 1
@@ -340,6 +344,7 @@ class OptimConfig:
         _require(0.0 <= self.min_lr_ratio <= 1.0, "optim.min_lr_ratio", "must be in [0, 1]")
         _require(all(0.0 <= beta < 1.0 for beta in self.betas), "optim.betas", "must be in [0, 1)")
         _require(0.0 <= self.warmup_ratio < 1.0, "optim.warmup_ratio", "must be in [0, 1)")
+        _require(0.0 < self.decay_ratio <= 1.0, "optim.decay_ratio", "must be in (0, 1]")
         _require(self.grad_accum >= 1, "optim.grad_accum", "must be >= 1")
         _require(len(self.betas) == 2, "optim.betas", "must have two values")
 
