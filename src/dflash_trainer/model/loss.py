@@ -61,6 +61,36 @@ _PAPER_GAMMA = {8: 4.0, 10: 5.0, 16: 7.0}
 _MIN_GAMMA = 1.0
 
 
+def top_k_ids(logits: Tensor, k: int) -> Tensor:
+    """The ids of each row's `k` largest logits, highest first: [N, V] -> [N, k] int64 (DFlash2's candidates).
+
+    In two stages when the vocabulary splits into groups of 512-4,096 (`_top_k_group`): the top-k within each group,
+    then the top-k of those G*k survivors. The k values are the same as one `torch.topk` over the row (a row's top-k
+    lies within the union of its groups' top-k), and so are the ids wherever no two logits tie at the k-th value
+    (where they do, which of the tied ids is kept is unspecified either way). Why: over a whole row of ~50K-150K
+    logits `torch.topk` runs a multi-pass radix select that the 2026-12-03 kernel profile put at 9.3 ms of a DFlash2
+    step at block 8 (about 20 ms predicted at block 16; `benchmarks/topk_bench.py` times both), while a group's
+    select runs in one thread block reading its slice once."""
+    rows, vocab = logits.shape
+    group = _top_k_group(vocab, k)
+    if group is None:
+        return torch.topk(logits, k, dim=-1).indices
+    groups = vocab // group
+    values, local_ids = torch.topk(logits.view(rows, groups, group), k, dim=-1)  # [N, G, k]
+    ids = local_ids + torch.arange(groups, device=logits.device).view(1, groups, 1) * group  # [N, G, k]
+    survivors = torch.topk(values.view(rows, groups * k), k, dim=-1).indices  # [N, k]
+    return ids.view(rows, groups * k).gather(1, survivors)
+
+
+def _top_k_group(vocab: int, k: int) -> int | None:
+    """The group size for `top_k_ids`: the divisor of `vocab` in [512, 4096] nearest 1,024 (SmolLM2's 49,152: 1,024;
+    Qwen3's 151,936: 1,187), or None (one top-k over the row) for small vocabularies or none such divisor."""
+    if vocab < 8 * 1024 or k > 64:
+        return None
+    divisors = [size for size in range(512, 4097) if vocab % size == 0]
+    return min(divisors, key=lambda size: abs(size - 1024)) if divisors else None
+
+
 def default_gamma(block_size: int) -> float:
     """Slot-weight decay for a block size: the paper's values for 8, 10 and 16 (4, 5, 7), otherwise
     `3 * log2(B) - 5`, floored at 1.
@@ -556,7 +586,7 @@ def _loss_chunk(
     logits = F.linear(flat_hidden, weight, bias) if fp8_head is None else head_logits(flat_hidden, fp8_head, bias)
     drafter_choice = logits.argmax(dim=-1).view(chunk, slots)
     # Ranked on the logits as computed (bf16 on a GPU, as the engines rank them), highest first.
-    candidates = torch.topk(logits, top_k, dim=-1).indices.view(chunk, slots, top_k) if top_k else None
+    candidates = top_k_ids(logits, top_k).view(chunk, slots, top_k) if top_k else None
     logits = logits.to(softmax_dtype)
     log_normaliser = torch.logsumexp(logits, dim=-1, keepdim=True)  # [C*S, 1]
 

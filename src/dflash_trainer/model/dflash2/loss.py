@@ -46,7 +46,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.autograd.function import FunctionCtx, once_differentiable
 
-from ..loss import default_gamma, expected_acceptance, slot_weights
+from ..loss import default_gamma, expected_acceptance, slot_weights, top_k_ids
 from .selector import CandidateSelector
 
 
@@ -371,7 +371,7 @@ def _selector_chunk(
     if candidates is None:
         logits = F.linear(hidden.reshape(chunk * slots, width), weight, bias)  # [C*S, V]
         # The top-k of the logits as computed (bf16 on a GPU, as the engines rank them), highest first.
-        candidates = torch.topk(logits, top_k, dim=-1).indices.view(chunk, slots, top_k)
+        candidates = top_k_ids(logits, top_k).view(chunk, slots, top_k)
     ids = candidates
     hit = ids == labels.unsqueeze(-1)  # [C, S, K]
     present = hit.any(dim=-1)  # [C, S]: the label is among the served candidates
