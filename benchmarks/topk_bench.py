@@ -29,7 +29,7 @@ import sys
 
 import torch
 
-from dflash_trainer.model.loss import _top_k_group, top_k_ids
+from dflash_trainer.model.loss import _top_k_group, top_k_ids, top_k_ids_in_groups
 
 
 def topk_full(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -61,7 +61,8 @@ def main() -> int:
 
     if not torch.cuda.is_available():
         logits = torch.randn(64, args.vocab).to(torch.bfloat16)
-        same = torch.equal(logits.gather(1, top_k_ids(logits, args.k)), topk_full(logits, args.k)[0])
+        grouped = top_k_ids_in_groups(logits, args.k, _top_k_group(args.vocab, args.k) or args.vocab)
+        same = torch.equal(logits.gather(1, grouped), topk_full(logits, args.k)[0])
         print(f"no CUDA: checked on the CPU at [64, {args.vocab}]: values equal: {same}")
         return 1
 
@@ -70,7 +71,7 @@ def main() -> int:
     grouped = top_k_ids(logits, args.k)
     values_equal = torch.equal(reference[0], logits.gather(1, grouped))
     ids_equal = (reference[1] == grouped).float().mean().item()
-    group = _top_k_group(args.vocab, args.k)
+    group = _top_k_group(args.vocab, args.k) or "none: one top-k"
     variants = {
         "topk over the row": lambda: topk_full(logits, args.k),
         f"top_k_ids (groups of {group}, then the survivors)": lambda: top_k_ids(logits, args.k),

@@ -26,8 +26,8 @@ def test_wsd_holds_the_peak_then_decays_linearly_over_its_last_steps():
         return lr_factor(step, total_steps=100, warmup_steps=10, min_ratio=0.0, schedule="wsd", decay_steps=20)
 
     assert [wsd(s) for s in range(10)] == [(s + 1) / 10 for s in range(10)]  # the same warmup as the cosine
-    assert all(wsd(s) == 1.0 for s in range(10, 81))  # the peak until the decay starts at step 80
-    assert [wsd(s) for s in (85, 90, 95, 100)] == pytest.approx([0.75, 0.5, 0.25, 0.0])
+    assert all(wsd(s) == 1.0 for s in range(10, 80))  # the peak until the decay starts at step 80
+    assert [wsd(s) for s in (80, 84, 89, 94, 99)] == pytest.approx([0.95, 0.75, 0.5, 0.25, 0.0])
     # The cosine at the same step is well below the peak: WSD spends more of the steps at it.
     assert lr_factor(60, total_steps=100, warmup_steps=10, min_ratio=0.0) < 0.5 < wsd(60)
 
@@ -50,7 +50,7 @@ def test_the_scheduler_follows_the_config_and_resumes_on_the_same_curve():
         return lrs, (optimizer.state_dict(), scheduler.state_dict())
 
     whole, _ = run(40)
-    assert whole[4:30] == [1e-3] * 26 and whole[30] == pytest.approx(1e-3) and whole[39] == pytest.approx(1e-4)
+    assert whole[4:30] == [1e-3] * 26 and whole[30] == pytest.approx(0.9e-3) and whole[39] == pytest.approx(0.0)
     first, state = run(17)
     rest, _ = run(23, state)
     assert first + rest == pytest.approx(whole)

@@ -34,8 +34,8 @@ def lr_factor(
     step: int, *, total_steps: int, warmup_steps: int, min_ratio: float, schedule: str = "cosine", decay_steps: int = 0
 ) -> float:
     """Multiplier of the peak lr at optimizer step `step` (0-based): linear warmup over `warmup_steps`, then
-    `cosine` to `min_ratio` at `total_steps`, or `wsd`: 1 until the last `decay_steps` steps, then linear to
-    `min_ratio` at `total_steps`."""
+    `cosine` to `min_ratio` at `total_steps`, or `wsd`: 1 until the last `decay_steps` steps, then linear down to
+    `min_ratio` at the last step."""
     if warmup_steps > 0 and step < warmup_steps:
         return (step + 1) / warmup_steps
     if schedule == "cosine":
@@ -45,7 +45,8 @@ def lr_factor(
         decay_start = total_steps - decay_steps
         if step < decay_start:
             return 1.0
-        progress = min(1.0, (step - decay_start) / max(1, decay_steps))
+        # The decay's first step is already below the peak and its last (total_steps - 1) at min_ratio.
+        progress = min(1.0, (step - decay_start + 1) / max(1, decay_steps))
         return min_ratio + (1.0 - min_ratio) * (1.0 - progress)
     raise ValueError(f"unknown lr schedule {schedule!r} (cosine or wsd)")
 
