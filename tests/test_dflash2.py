@@ -527,7 +527,6 @@ def test_recipe_keys_select_and_size_dflash2():
         (["drafter.dflash2.selector_top_k=0"], "drafter.dflash2.selector_top_k"),
         (["drafter.block_size=2", "drafter.dflash2.conv_kernel_size=3"], "drafter.dflash2.conv_kernel_size"),
         (["loss.selector.warmup_ratio=1.5"], "loss.selector.warmup_ratio"),
-        (["drafter.algorithm=dflash2", "placement.sharding=fsdp2"], "placement.sharding"),
     ],
 )
 def test_bad_dflash2_keys_fail_at_load_naming_the_key(overrides, key):

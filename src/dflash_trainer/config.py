@@ -593,12 +593,6 @@ class RunConfig:
             "run_dir",
             "must name a directory (empty, the run would write its checkpoints into the current one)",
         )
-        _require(
-            self.drafter.algorithm != "dflash2" or self.placement.sharding != "fsdp2",
-            "placement.sharding",
-            "fsdp2 is not supported with drafter.algorithm dflash2 (its selector's loss reads parameters outside "
-            "the sharded forward); use ddp",
-        )
 
 
 def _require(ok: bool, key: str, message: str) -> None:

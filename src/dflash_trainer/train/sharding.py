@@ -3,10 +3,10 @@
 - `LocalSync`: one process; nothing to do.
 - `DdpSync` (colocated, `placement.sharding: ddp`): DistributedDataParallel; micro-batches before a step's last
   skip the all-reduce (`no_sync`), the last one's backward all-reduces (mean over ranks) while it runs.
-- `Fsdp2Sync` (colocated, `placement.sharding: fsdp2`): `fully_shard` on every drafter layer and the root, so
-  parameters, gradients and optimizer state are split over the ranks; the gradient reduce-scatter runs on the
-  last micro-batch only. Checkpoints gather full tensors onto rank 0 (collective), so a checkpoint looks the same
-  whatever the sharding and can be resumed with either.
+- `Fsdp2Sync` (colocated, `placement.sharding: fsdp2`): `fully_shard` on every drafter layer, DFlash2's selector
+  and the root, so parameters, gradients and optimizer state are split over the ranks; the gradient
+  reduce-scatter runs on the last micro-batch only. Checkpoints gather full tensors onto rank 0 (collective), so a
+  checkpoint looks the same whatever the sharding and can be resumed with either.
 - `AllReduceSync` (disaggregated drafters): one sum all-reduce of the gradients in the drafter group after the
   step's micro-batches. DDP and FSDP reduce inside backward, which a drafter without a micro-batch in a step
   (possible in the last, short step of an epoch) never runs; an explicit all-reduce has no such case. Losses
@@ -27,7 +27,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from ..model.drafter import DFlashDrafter
+from ..model.drafter import build_drafter
 
 # Elements per all-reduce bucket of AllReduceSync: bounds the extra memory of the flattened copy.
 BUCKET_ELEMENTS = 1 << 25
@@ -83,10 +83,34 @@ class DdpSync(LocalSync):
 
 
 class Fsdp2Sync(LocalSync):
+    """FSDP2 gathers a unit's parameters in the pre-forward hook of its module and reduce-scatters their gradients
+    in its post-backward (or, for a unit whose forward inputs take no gradient, in the root's end-of-backward
+    callback). A parameter must therefore be read inside the forward of the module that owns it:
+
+    - The loss reads the target's LM head outside the drafter's forward: it is no drafter parameter (frozen, the
+      target's), so nothing here shards or reduces it. The drafter's final norm is read inside its forward.
+    - DFlash2's convolutions live inside the layers: sharded with them.
+    - DFlash2's selector term reads the selector's codebooks and projection outside the drafter's forward. It runs
+      as the selector's own forward (`CandidateSelector.forward`, called by `SelectorObjective`), and the selector
+      is its own unit: the call gathers its parameters, their gradients (formed by the term's autograd Function)
+      are reduce-scattered (mean over ranks) after its backward, like every other unit's, and grad accumulation
+      (`set_requires_gradient_sync`, recursive) holds them unreduced until the step's last micro-batch. In the
+      root unit the parameters would only be gathered because the root keeps its parameters after forward by
+      default, an accident. Replicating the selector instead (`ignored_params` plus an explicit all-reduce) would
+      mix plain tensors with DTensors in the gradient norm, the fused optimizer and the state dicts, and keep two
+      [V, r] codebooks with their Adam state whole on every rank.
+    - The selector keeps its parameters gathered from its forward until its post-backward (no second all-gather
+      in backward, where the term's Function needs only the gradients it formed in forward): the term already
+      holds [V, r] gradient buffers of the same size over that span.
+    """
+
     def __init__(self, drafter: nn.Module) -> None:
         from torch.distributed.fsdp import fully_shard
 
         super().__init__(drafter)
+        selector = getattr(drafter, "candidate_selector", None)  # DFlash2 (class docstring)
+        if selector is not None:
+            fully_shard(selector, reshard_after_forward=False)
         for layer in drafter.layers:
             fully_shard(layer)
         fully_shard(drafter)
@@ -136,7 +160,7 @@ class Fsdp2Sync(LocalSync):
         """Rebuilt from the state the last `full_state` gathered (the final checkpoint), on the main rank."""
         if not self._gathered:
             raise RuntimeError("Fsdp2Sync.plain_drafter: only rank 0 holds the gathered state, after a checkpoint")
-        plain = DFlashDrafter(self.drafter.config)
+        plain = build_drafter(self.drafter.config)  # the drafter's own class (DFlash2's has a selector)
         plain.load_state_dict(self._gathered)
         return plain
 

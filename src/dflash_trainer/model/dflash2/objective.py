@@ -15,7 +15,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from ..loss import LossOutput
-from .loss import SelectorMetrics, selector_loss, selector_weight_at
+from .loss import SelectorMetrics, selector_weight_at
 from .selector import CandidateSelector
 
 
@@ -66,10 +66,11 @@ class SelectorObjective:
         `base.candidates` where the base loss ranked them (`dflash_loss(candidates_top_k=K)`: one LM head per slot
         for both terms), else the selector runs the LM head itself."""
         predecessors = torch.cat([block_ids[..., :1], labels[..., :-1]], dim=-1)  # [R, N, B]
-        out = selector_loss(
+        # Through the selector's forward (`selector_loss` inside), not `selector_loss` directly: under FSDP2 the
+        # call is what gathers the selector's parameters and has their gradients reduce-scattered.
+        out = selector(
             hidden,
             lm_head_weight,
-            selector,
             labels,
             predecessors,
             valid,

@@ -26,9 +26,14 @@ Sources (read, not copied): z-lab/dflash `dflash/model.py` (`CandidateSelector.s
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+
+if TYPE_CHECKING:
+    from .loss import SelectorOutput
 
 
 class CandidateSelector(nn.Module):
@@ -46,6 +51,45 @@ class CandidateSelector(nn.Module):
             nn.init.normal_(self.hidden_projection.weight, std=std)
             nn.init.normal_(self.predecessor_codebook, std=std)
             self.successor_codebook.zero_()  # the transition term starts at 0: the walk is the unary argmax
+
+    def forward(
+        self,
+        hidden: Tensor,  # [R, N, B, H]
+        lm_head_weight: Tensor,  # [V, H]
+        labels: Tensor,  # [R, N, B]
+        predecessors: Tensor,  # [R, N, B]
+        valid: Tensor,  # [R, N, B]
+        *,
+        gamma: float | None,
+        gold_injection: bool,
+        stop_gradient: bool,
+        chunk_blocks: int,
+        lm_head_bias: Tensor | None,  # [V]
+        candidates: Tensor | None,  # [R, N, B-1, K]
+        compile: bool,
+    ) -> SelectorOutput:
+        """The selector's training term: `loss.py`'s `selector_loss` with this selector (arguments as there). The
+        term is the module's forward so that training reads the parameters inside a call of the module: a wrapper
+        of the module (FSDP2's `fully_shard`, train/sharding.py) gathers them around the call and reduces their
+        gradients after its backward, as it does for any forward. (Decoding's `walk` reads them directly, on a
+        plain drafter.)"""
+        from .loss import selector_loss  # loss.py imports this module
+
+        return selector_loss(
+            hidden,
+            lm_head_weight,
+            self,
+            labels,
+            predecessors,
+            valid,
+            gamma=gamma,
+            gold_injection=gold_injection,
+            stop_gradient=stop_gradient,
+            chunk_blocks=chunk_blocks,
+            lm_head_bias=lm_head_bias,
+            candidates=candidates,
+            compile=compile,
+        )
 
     def transition_scores(
         self, hidden: Tensor, predecessors: Tensor, candidates: Tensor, *, dtype: torch.dtype = torch.float32

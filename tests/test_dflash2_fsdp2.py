@@ -1,0 +1,119 @@
+"""DFlash2 under FSDP2 (train/sharding.py, `Fsdp2Sync`): the selector's term reads its parameters outside the
+drafter's forward, so the selector is its own FSDP unit called through its forward. Two ranks over gloo with
+FSDP2 must train exactly as two DDP ranks on the same data and seed (loss curve and final weights, the selector's
+included: its gradients are averaged over the ranks), with grad accumulation, and a checkpoint FSDP2 wrote
+resumes to the same weights.
+
+The runs go through the CLI (`--nproc 2`, i.e. torchrun) and are cached per module."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from dflash_trainer.export import import_drafter
+from dflash_trainer.model.dflash2 import DFlash2Drafter
+from dflash_trainer.train import checkpoint as ckpt
+from train_helpers import save_tiny_target, write_counting_shards, write_recipe
+
+SRC = Path(__file__).resolve().parents[1] / "src"
+STEPS = 4
+# Sizes for the tiny target (hidden 64): 4 groups of 16 channels, a rank-16 selector over 8 candidates.
+DFLASH2 = {"algorithm": "dflash2", "dflash2": {"conv_group_size": 16, "selector_rank": 16, "selector_top_k": 8}}
+SELECTOR = ("candidate_selector.hidden_projection.weight", "candidate_selector.successor_codebook")
+
+
+class Runs:
+    """Two-rank runs of one tiny DFlash2 recipe, by sharding, cached for the module."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.target = save_tiny_target(root / "target")
+        self.shards = write_counting_shards(root / "shards", num_samples=40)
+        self._done: dict[str, Path] = {}
+
+    def run(self, sharding: str) -> Path:
+        if sharding not in self._done:
+            self._done[sharding] = self.train(sharding, sharding)
+        return self._done[sharding]
+
+    def train(self, name: str, sharding: str) -> Path:
+        """A run of STEPS steps with grad_accum 2 (a checkpoint at step 2) on 2 ranks; returns its run dir."""
+        recipe = write_recipe(
+            self.root / f"{name}.yaml",
+            self.root / name,
+            self.target,
+            self.shards,
+            drafter={**DFLASH2, "num_layers": 2, "block_size": 4},
+            optim={"grad_accum": 2, "lr": 3e-3},
+            # No warmup: the selector term counts from the first step.
+            loss={"selector": {"warmup_ratio": 0.0, "ramp_ratio": 0.0}},
+            train={"max_steps": STEPS},
+            checkpoint={"every_steps": 2},
+            placement={"sharding": sharding},
+        )
+        env = {**os.environ, "PYTHONPATH": str(SRC), "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+        command = [sys.executable, "-m", "dflash_trainer", "train", str(recipe), "--nproc", "2"]
+        proc = subprocess.run(
+            command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=240
+        )
+        assert proc.returncode == 0, proc.stdout
+        return self.root / name
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> Runs:
+    return Runs(tmp_path_factory.mktemp("dflash2-fsdp2"))
+
+
+def final_weights(run_dir: Path) -> dict[str, torch.Tensor]:
+    return load_file(str(ckpt.latest_checkpoint(run_dir) / "drafter.safetensors"))
+
+
+def read_metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def assert_same_weights(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
+    assert got.keys() == want.keys()
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], rtol=0, atol=1e-5, msg=name)
+
+
+@pytest.mark.slow
+def test_fsdp2_trains_dflash2_as_ddp_selector_included(runs):
+    ddp, fsdp2 = runs.run("ddp"), runs.run("fsdp2")
+    want, got = read_metrics(ddp), read_metrics(fsdp2)
+    assert [r["step"] for r in got] == list(range(1, STEPS + 1))
+    for key in ("loss", "selector_loss"):
+        assert [r[key] for r in got] == pytest.approx([r[key] for r in want], abs=1e-5), key
+    # Summed in another order (per shard, then over ranks): float32 rounding apart.
+    assert [r["grad_norm"] for r in got] == pytest.approx([r["grad_norm"] for r in want], rel=1e-6)
+    weights = final_weights(fsdp2)
+    # The selector trained (its successor codebook starts at zero) and equals DDP's: its gradients were averaged.
+    assert all(weights[name].abs().sum() > 0 for name in SELECTOR)
+    assert_same_weights(weights, final_weights(ddp))
+    # The export (rank 0, from the gathered state) is a DFlash2 drafter with the trained selector, in bf16.
+    exported = import_drafter(fsdp2 / "export")
+    assert isinstance(exported, DFlash2Drafter)
+    for name in SELECTOR:
+        want = weights[name].to(torch.bfloat16).float()
+        torch.testing.assert_close(exported.state_dict()[name], want, rtol=0, atol=0, msg=name)
+
+
+@pytest.mark.slow
+def test_a_dflash2_checkpoint_written_under_fsdp2_resumes_to_the_same_weights(runs):
+    source = runs.run("fsdp2")
+    run_dir = runs.root / "resumed"
+    shutil.copytree(source / "checkpoints" / "step-00000002", run_dir / "checkpoints" / "step-00000002")
+    runs.train("resumed", "fsdp2")
+    assert [r["step"] for r in read_metrics(run_dir)] == [3, 4]
+    assert_same_weights(final_weights(run_dir), final_weights(source))
