@@ -1,8 +1,8 @@
 """DFlash2 under FSDP2 (train/sharding.py, `Fsdp2Sync`): the selector's term reads its parameters outside the
 drafter's forward, so the selector is its own FSDP unit called through its forward. Two ranks over gloo with
 FSDP2 must train exactly as two DDP ranks on the same data and seed (loss curve and final weights, the selector's
-included: its gradients are averaged over the ranks), with grad accumulation, and a checkpoint FSDP2 wrote
-resumes to the same weights.
+included: its gradients are averaged over the ranks), with grad accumulation and the periodic evaluation (decoding
+walks the selector on the sharded drafter), and a checkpoint FSDP2 wrote resumes to the same weights.
 
 The runs go through the CLI (`--nproc 2`, i.e. torchrun) and are cached per module."""
 
@@ -59,6 +59,8 @@ class Runs:
             train={"max_steps": STEPS},
             checkpoint={"every_steps": 2},
             placement={"sharding": sharding},
+            # Decoding on the sharded drafter: the selector's walk gathers its parameters too.
+            eval={"every_steps": 2, "datasets": ["gsm8k"], "num_prompts": 1, "max_new_tokens": 6},
         )
         env = {**os.environ, "PYTHONPATH": str(SRC), "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
         command = [sys.executable, "-m", "dflash_trainer", "train", str(recipe), "--nproc", "2"]
@@ -79,6 +81,11 @@ def final_weights(run_dir: Path) -> dict[str, torch.Tensor]:
 
 
 def read_metrics(run_dir: Path) -> list[dict]:
+    """The training steps' records (the periodic evaluation's `eval_tau` records left out)."""
+    return [record for record in read_records(run_dir) if "loss" in record]
+
+
+def read_records(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
@@ -95,6 +102,9 @@ def test_fsdp2_trains_dflash2_as_ddp_selector_included(runs):
     assert [r["step"] for r in got] == list(range(1, STEPS + 1))
     for key in ("loss", "selector_loss"):
         assert [r[key] for r in got] == pytest.approx([r[key] for r in want], abs=1e-5), key
+    taus = [(r["step"], r["eval_tau"]) for r in read_records(fsdp2) if "eval_tau" in r]
+    assert taus == [(r["step"], r["eval_tau"]) for r in read_records(ddp) if "eval_tau" in r]
+    assert [step for step, _ in taus] == [2, 4]
     # Summed in another order (per shard, then over ranks): float32 rounding apart.
     assert [r["grad_norm"] for r in got] == pytest.approx([r["grad_norm"] for r in want], rel=1e-6)
     weights = final_weights(fsdp2)

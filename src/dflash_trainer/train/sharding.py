@@ -102,15 +102,18 @@ class Fsdp2Sync(LocalSync):
     - The selector keeps its parameters gathered from its forward until its post-backward (no second all-gather
       in backward, where the term's Function needs only the gradients it formed in forward): the term already
       holds [V, r] gradient buffers of the same size over that span.
+    - Decoding (the periodic evaluation, on every rank with the same prompts, so the collectives match) walks the
+      candidates with the selector's `walk`, registered as an FSDP forward method: it gathers the selector too.
     """
 
     def __init__(self, drafter: nn.Module) -> None:
-        from torch.distributed.fsdp import fully_shard
+        from torch.distributed.fsdp import fully_shard, register_fsdp_forward_method
 
         super().__init__(drafter)
         selector = getattr(drafter, "candidate_selector", None)  # DFlash2 (class docstring)
         if selector is not None:
             fully_shard(selector, reshard_after_forward=False)
+            register_fsdp_forward_method(selector, "walk")
         for layer in drafter.layers:
             fully_shard(layer)
         fully_shard(drafter)

@@ -818,7 +818,8 @@ class Trainer:
                 max_new_tokens=eval_config.max_new_tokens,
             )
         self.logger.log(self.step, {"eval_tau": tau})
-        self.progress.write(f"step {self.step}: eval tau {tau:.3f}")
+        if self.is_main:  # every rank evaluates (FSDP2's gathers are collective); one prints
+            self.progress.write(f"step {self.step}: eval tau {tau:.3f}")
 
     # ------------------------------------------------------------------------------------------------ state
 
