@@ -29,7 +29,8 @@
 #                                                (FLEX_LAYOUTS=1: after the paper setting, flex alone in
 #                                                the default static layout and in the layers' one, with clocks)
 #   bash benchmarks/gpu_session.sh wait S                    report every minute for up to S seconds; when every job
-#                                                has ended and $OUT is set, `collect` into $OUT at once
+#                                                has ended and $OUT is set, `collect` into $OUT at once;
+#                                                still running at S: the logs and metrics so far in $OUT/partial
 #   bash benchmarks/gpu_session.sh collect                   pack logs and results (no weights) into $OUT
 #                                                (KEEP_ANSWERS=1: the main job's answers too, `data/*-chat`'s
 #                                                regen-00000.jsonl and regen.json as tar.xz in 15 MiB parts
@@ -240,6 +241,17 @@ case "$STAGE" in
       left=$((deadline - SECONDS))
       [ "$left" -gt 0 ] && sleep $((left < ${POLL:-60} ? left : ${POLL:-60}))
     done
+    # Still running at the deadline: the logs and metrics so far into $OUT/partial (small), so that a machine lost
+    # before the next `wait` still leaves the run's curve.
+    if [ "${done_all:-0}" = 0 ] && [ -n "${OUT:-}" ]; then
+      mkdir -p "$OUT/partial"
+      cp "$RES"/*.log "$OUT/partial/" 2>/dev/null
+      for repo in "$REPO" "$REPO2"; do
+        for metrics in "$repo"/runs/*/metrics.jsonl; do
+          [ -f "$metrics" ] && cp "$metrics" "$OUT/partial/$(basename "$repo")-$(basename "$(dirname "$metrics")").jsonl"
+        done
+      done
+    fi
     ;;
   answers)
     cat .answers/answers.part* > /tmp/answers.tar.xz
