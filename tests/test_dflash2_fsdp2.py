@@ -8,7 +8,6 @@ The runs go through the CLI (`--nproc 2`, i.e. torchrun) and are cached per modu
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import subprocess
@@ -17,12 +16,17 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
 
 from dflash_trainer.export import import_drafter
 from dflash_trainer.model.dflash2 import DFlash2Drafter
-from dflash_trainer.train import checkpoint as ckpt
-from train_helpers import save_tiny_target, write_counting_shards, write_recipe
+from train_helpers import (
+    assert_same_weights,
+    final_weights,
+    read_metrics,
+    save_tiny_target,
+    write_counting_shards,
+    write_recipe,
+)
 
 SRC = Path(__file__).resolve().parents[1] / "src"
 STEPS = 4
@@ -76,34 +80,20 @@ def runs(tmp_path_factory) -> Runs:
     return Runs(tmp_path_factory.mktemp("dflash2-fsdp2"))
 
 
-def final_weights(run_dir: Path) -> dict[str, torch.Tensor]:
-    return load_file(str(ckpt.latest_checkpoint(run_dir) / "drafter.safetensors"))
-
-
-def read_metrics(run_dir: Path) -> list[dict]:
+def step_records(run_dir: Path) -> list[dict]:
     """The training steps' records (the periodic evaluation's `eval_tau` records left out)."""
-    return [record for record in read_records(run_dir) if "loss" in record]
-
-
-def read_records(run_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-
-
-def assert_same_weights(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
-    assert got.keys() == want.keys()
-    for name in want:
-        torch.testing.assert_close(got[name], want[name], rtol=0, atol=1e-5, msg=name)
+    return [record for record in read_metrics(run_dir) if "loss" in record]
 
 
 @pytest.mark.slow
 def test_fsdp2_trains_dflash2_as_ddp_selector_included(runs):
     ddp, fsdp2 = runs.run("ddp"), runs.run("fsdp2")
-    want, got = read_metrics(ddp), read_metrics(fsdp2)
+    want, got = step_records(ddp), step_records(fsdp2)
     assert [r["step"] for r in got] == list(range(1, STEPS + 1))
     for key in ("loss", "selector_loss"):
         assert [r[key] for r in got] == pytest.approx([r[key] for r in want], abs=1e-5), key
-    taus = [(r["step"], r["eval_tau"]) for r in read_records(fsdp2) if "eval_tau" in r]
-    assert taus == [(r["step"], r["eval_tau"]) for r in read_records(ddp) if "eval_tau" in r]
+    taus = [(r["step"], r["eval_tau"]) for r in read_metrics(fsdp2) if "eval_tau" in r]
+    assert taus == [(r["step"], r["eval_tau"]) for r in read_metrics(ddp) if "eval_tau" in r]
     assert [step for step, _ in taus] == [2, 4]
     # Summed in another order (per shard, then over ranks): float32 rounding apart.
     assert [r["grad_norm"] for r in got] == pytest.approx([r["grad_norm"] for r in want], rel=1e-6)
@@ -125,5 +115,5 @@ def test_a_dflash2_checkpoint_written_under_fsdp2_resumes_to_the_same_weights(ru
     run_dir = runs.root / "resumed"
     shutil.copytree(source / "checkpoints" / "step-00000002", run_dir / "checkpoints" / "step-00000002")
     runs.train("resumed", "fsdp2")
-    assert [r["step"] for r in read_metrics(run_dir)] == [3, 4]
+    assert [r["step"] for r in step_records(run_dir)] == [3, 4]
     assert_same_weights(final_weights(run_dir), final_weights(source))

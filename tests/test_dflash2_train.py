@@ -4,7 +4,6 @@ the data as the verifier: DFlash2 must reach at least DFlash's held-out tau)."""
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -20,7 +19,7 @@ from dflash_trainer.model.dflash2 import DFlash2Drafter
 from dflash_trainer.train import checkpoint as ckpt
 from dflash_trainer.train.trainer import Trainer
 from progression_task import BLOCK, held_out_documents, held_out_tau, write_progression_shards
-from train_helpers import save_tiny_target, write_counting_shards, write_recipe
+from train_helpers import read_metrics, save_tiny_target, write_counting_shards, write_recipe
 
 # Sizes for the tiny target (hidden 64): 4 groups of 16 channels, a rank-16 selector over 8 candidates.
 DFLASH2 = {"algorithm": "dflash2", "dflash2": {"conv_group_size": 16, "selector_rank": 16, "selector_top_k": 8}}
@@ -32,10 +31,6 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
-
-
-def read_metrics(run_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
 def test_dflash2_loss_falls_and_the_selector_learns(tmp_path, one_thread):

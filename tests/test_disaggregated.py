@@ -22,7 +22,6 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from safetensors.torch import load_file
 
 from dflash_trainer.config import load_config
 from dflash_trainer.data.sampler import TokenBudgetSampler
@@ -48,7 +47,14 @@ from dflash_trainer.train.schedule import (
 )
 from dflash_trainer.train.trainer import Trainer
 from test_failure import LIMIT_S, assert_killed, run_failing
-from train_helpers import save_tiny_target, write_counting_shards, write_recipe
+from train_helpers import (
+    assert_same_weights,
+    final_weights,
+    read_metrics,
+    save_tiny_target,
+    write_counting_shards,
+    write_recipe,
+)
 
 SRC = Path(__file__).resolve().parents[1] / "src"
 STEPS = 6
@@ -204,20 +210,6 @@ def run_ok(recipe: Path, nproc: int, *, env: dict[str, str] | None = None) -> st
     out, _ = proc.communicate(timeout=240)
     assert proc.returncode == 0, out
     return out
-
-
-def final_weights(run_dir: Path) -> dict[str, torch.Tensor]:
-    return load_file(str(ckpt.latest_checkpoint(run_dir) / "drafter.safetensors"))
-
-
-def read_metrics(run_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-
-
-def assert_same_weights(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
-    assert got.keys() == want.keys()
-    for name in want:
-        torch.testing.assert_close(got[name], want[name], rtol=0, atol=1e-5, msg=name)
 
 
 class Cases:

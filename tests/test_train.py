@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import signal
@@ -18,13 +17,9 @@ from safetensors.torch import load_file
 from dflash_trainer.config import load_config
 from dflash_trainer.train import checkpoint as ckpt
 from dflash_trainer.train.trainer import Trainer
-from train_helpers import save_tiny_target, write_counting_shards, write_recipe
+from train_helpers import read_metrics, save_tiny_target, write_counting_shards, write_recipe
 
 SRC = Path(__file__).resolve().parents[1] / "src"
-
-
-def read_metrics(run_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
 @pytest.fixture(scope="module")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
@@ -10,6 +11,7 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast, Qwen3_5TextConfig, Qwen3Config, Qwen3ForCausalLM
 
 from dflash_trainer.data.shards import ShardWriter
+from dflash_trainer.train import checkpoint as ckpt
 
 VOCAB = 128
 MASK_TOKEN = VOCAB - 1
@@ -96,3 +98,21 @@ def write_recipe(path: Path, run_dir: Path, target_dir: Path, shards: Path, **se
             recipe[section] = values
     path.write_text(yaml.safe_dump(recipe))
     return path
+
+
+def read_metrics(run_dir: Path) -> list[dict]:
+    """Every record of a run's metrics.jsonl, in order."""
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def final_weights(run_dir: Path) -> dict[str, torch.Tensor]:
+    """The drafter weights of a run's latest checkpoint."""
+    from safetensors.torch import load_file
+
+    return load_file(str(ckpt.latest_checkpoint(run_dir) / "drafter.safetensors"))
+
+
+def assert_same_weights(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
+    assert got.keys() == want.keys()
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], rtol=0, atol=1e-5, msg=name)
