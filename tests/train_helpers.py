@@ -7,6 +7,7 @@ from pathlib import Path
 
 import torch
 import yaml
+from safetensors.torch import load_file
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast, Qwen3_5TextConfig, Qwen3Config, Qwen3ForCausalLM
 
@@ -107,8 +108,6 @@ def read_metrics(run_dir: Path) -> list[dict]:
 
 def final_weights(run_dir: Path) -> dict[str, torch.Tensor]:
     """The drafter weights of a run's latest checkpoint."""
-    from safetensors.torch import load_file
-
     return load_file(str(ckpt.latest_checkpoint(run_dir) / "drafter.safetensors"))
 
 

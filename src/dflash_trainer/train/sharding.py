@@ -50,6 +50,10 @@ class LocalSync:
     def after_micro_batches(self) -> None:
         """Runs once per step, after the last micro-batch's backward."""
 
+    def gathered_for_decoding(self) -> contextlib.AbstractContextManager[None]:
+        """The drafter's parameters whole for the duration, with no collective inside (`Fsdp2Sync`)."""
+        return contextlib.nullcontext()
+
     def local_norm(self, norm: torch.Tensor) -> torch.Tensor:
         return norm
 
@@ -102,22 +106,43 @@ class Fsdp2Sync(LocalSync):
     - The selector keeps its parameters gathered from its forward until its post-backward (no second all-gather
       in backward, where the term's Function needs only the gradients it formed in forward): the term already
       holds [V, r] gradient buffers of the same size over that span.
-    - Decoding (the periodic evaluation, on every rank with the same prompts, so the collectives match) walks the
-      candidates with the selector's `walk`, registered as an FSDP forward method: it gathers the selector too.
+    - Decoding (the periodic evaluation, on every rank) calls the drafter a data-dependent number of times, which
+      the ranks need not agree on: a kernel that is not bit-deterministic across GPUs can end one rank's decoding
+      a step before another's. So `gathered_for_decoding` gathers every unit once, in the same order on every
+      rank, and keeps them gathered while decoding runs collective-free; the selector's `walk` is registered as an
+      FSDP forward method, so that it reads the gathered parameters too.
     """
 
     def __init__(self, drafter: nn.Module) -> None:
         from torch.distributed.fsdp import fully_shard, register_fsdp_forward_method
 
         super().__init__(drafter)
+        # Each unit with the reshard_after_forward it trains with (None: the root's, which FSDP2 sets itself).
+        self._units: list[tuple[nn.Module, bool | None]] = []
         selector = getattr(drafter, "candidate_selector", None)  # DFlash2 (class docstring)
         if selector is not None:
             fully_shard(selector, reshard_after_forward=False)
             register_fsdp_forward_method(selector, "walk")
+            self._units.append((selector, False))
         for layer in drafter.layers:
             fully_shard(layer)
+            self._units.append((layer, True))
         fully_shard(drafter)
+        self._units.append((drafter, None))
         self._gathered: dict[str, torch.Tensor] | None = None
+
+    @contextlib.contextmanager
+    def gathered_for_decoding(self) -> Iterator[None]:
+        for unit, _ in self._units:
+            unit.set_reshard_after_forward(False, recurse=False)
+            unit.unshard()
+        try:
+            yield
+        finally:
+            for unit, reshard_after_forward in self._units:
+                unit.reshard()
+                if reshard_after_forward is not None:
+                    unit.set_reshard_after_forward(reshard_after_forward, recurse=False)
 
     def micro_batch(self, *, last: bool) -> contextlib.AbstractContextManager[None]:
         self.drafter.set_requires_gradient_sync(last)

@@ -808,7 +808,7 @@ class Trainer:
     def _periodic_eval(self) -> None:
         from ..eval.runner import quick_tau
 
-        with self.profiler.stage("eval"):
+        with self.profiler.stage("eval"), self.sync.gathered_for_decoding():
             eval_config = self.config.eval
             tau = quick_tau(
                 self.target,
