@@ -71,8 +71,8 @@ class CandidateSelector(nn.Module):
         """The selector's training term: `loss.py`'s `selector_loss` with this selector (arguments as there). The
         term is the module's forward so that training reads the parameters inside a call of the module: a wrapper
         of the module (FSDP2's `fully_shard`, train/sharding.py) gathers them around the call and reduces their
-        gradients after its backward, as it does for any forward. (Decoding's `walk` reads them directly, on a
-        plain drafter.)"""
+        gradients after its backward, as it does for any forward. (Decoding's `walk` is another such entry:
+        `Fsdp2Sync` registers it as an FSDP forward method.)"""
         from .loss import selector_loss  # loss.py imports this module
 
         return selector_loss(
