@@ -1,24 +1,27 @@
-"""DFlash2's candidate top-k over the vocabulary: one `torch.topk` per row against a two-stage top-k over groups.
+"""DFlash2's candidate top-k over the vocabulary: one `torch.topk` per row against cheaper exact forms.
 
 Run from the repository root on the GPU machine (seconds on one H200):
 
     PYTHONPATH=src python3 benchmarks/topk_bench.py [--rows 1920] [--vocab 49152] [--k 16] [--chunks 26]
 
-Why: the DFlash2 loss takes each slot's top-16 logits as the selector's candidates (`model/loss.py::_loss_chunk`,
-`top_k`), one row of the vocabulary per slot. At the SmolLM2 main job's block 16 that is 26 chunks of 128 blocks x 15
-slots = 1,920 rows of 49,152 bf16 logits each per step (~4.9 GB of logits read per pass over the step). The
-2026-12-03 kernel profile at block 8 put the top-k kernels (radix select over the whole row: `gatherTopK`,
-`computeBlockDigitCounts`) at 9.3 ms per step; scaled to block 16, about 20 ms of the step's 134.
-The two-stage variant (production's `top_k_ids`) takes the top-k within each group of about 1,024 logits (one
-block-sized slice each), then the top-k of those G*k survivors: the same k values (the top-k of a row lies within the
-union of its groups' top-k), and the same ids wherever no two logits tie at the k-th value. Predicted: 3-5 ms per step
-against about 20 (one read of the logits from memory instead of a multi-pass select). Also timed: `argmax` beside the
-top-k (the loss takes both today; the top-k's first id is the argmax up to ties), to see what dropping that pass
-would save.
+Why: the DFlash2 loss takes each slot's top-16 logits as the selector's candidates (`model/loss.py::top_k_ids`), one
+row of the vocabulary per slot. At the SmolLM2 main job's block 16 that is 26 chunks of 128 blocks x 15 slots = 1,920
+rows of 49,152 bf16 logits per chunk (~4.9 GB of logits per step). One `torch.topk` over the row runs a multi-pass
+radix select: 20.0 ms per step on an H200 (2026-12-04), 245 GB/s against the 4.8 TB/s of one read.
+
+The candidates timed here, all exact (the same k values as `torch.topk`; the same ids wherever no two logits tie at
+the k-th value):
+- `groups-topk`: the top-k within each group of 1,024 logits, then of the G*k survivors. Measured 46.7 ms (2026-12-04):
+  a top-k per short slice is no cheaper than the row's.
+- `group-max` (per group size g): each group's maximum (one read of the logits, like `argmax`), the k groups with the
+  largest maxima, then the top-k of those k*g logits. Exact because a logit outside those k groups has k group
+  maxima at or above it, so at least k larger-or-equal logits: it is not needed for the k values. Predicted at g=64
+  (768 maxima, then 1,024 logits per row): about 3 ms for the maxima, 1-2 ms for the two small top-ks, so 4-6 ms.
+Also timed: `argmax` (the loss takes it beside the top-k; the top-k's first id is the argmax up to ties).
 
 Prints, per variant, the median of `--repeats` CUDA-event timings of `--chunks` calls after warm-up, in ms per step,
-the effective read bandwidth, and checks that the values equal the reference's. Without CUDA it checks the
-equivalence on the CPU at a small shape and exits with an error.
+the effective read bandwidth, and whether the values equal the reference's. Without CUDA it checks every candidate's
+values on the CPU at a small shape and exits with an error.
 """
 
 from __future__ import annotations
@@ -26,18 +29,46 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
+from collections.abc import Callable
 
 import torch
-
-from dflash_trainer.model.loss import _top_k_group, top_k_ids, top_k_ids_in_groups
-
-
-def topk_full(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    values, ids = torch.topk(logits, k, dim=-1)  # [N, k]
-    return values, ids
+from torch import Tensor
 
 
-def time_ms(fn, repeats: int, chunks: int) -> float:
+def topk_full(logits: Tensor, k: int) -> Tensor:
+    return torch.topk(logits, k, dim=-1).indices  # [N, k]
+
+
+def topk_in_groups(logits: Tensor, k: int, group: int) -> Tensor:
+    rows, vocab = logits.shape
+    groups = vocab // group
+    values, local_ids = torch.topk(logits.view(rows, groups, group), k, dim=-1)  # [N, G, k]
+    ids = local_ids + torch.arange(groups, device=logits.device).view(1, groups, 1) * group  # [N, G, k]
+    survivors = torch.topk(values.view(rows, groups * k), k, dim=-1).indices  # [N, k]
+    return ids.view(rows, groups * k).gather(1, survivors)
+
+
+def topk_by_group_max(logits: Tensor, k: int, group: int) -> Tensor:
+    rows, vocab = logits.shape
+    group_max = logits.view(rows, vocab // group, group).amax(dim=-1)  # [N, G]
+    best_groups = torch.topk(group_max, k, dim=-1).indices  # [N, k]
+    pool_ids = (best_groups.unsqueeze(-1) * group + torch.arange(group, device=logits.device)).view(rows, k * group)
+    picked = torch.topk(logits.gather(1, pool_ids), k, dim=-1).indices  # [N, k] into the pool
+    return pool_ids.gather(1, picked)  # [N, k]
+
+
+def candidates(vocab: int, k: int) -> dict[str, Callable[[Tensor], Tensor]]:
+    """Each exact candidate whose group size divides the vocabulary (no padding copy)."""
+    forms: dict[str, Callable[[Tensor], Tensor]] = {"topk over the row": lambda x: topk_full(x, k)}
+    if vocab % 1024 == 0:
+        forms["groups-topk, g=1024"] = lambda x: topk_in_groups(x, k, 1024)
+    for group in (32, 64, 128, 256):
+        if vocab % group == 0 and vocab // group >= k:
+            forms[f"group-max, g={group}"] = lambda x, g=group: topk_by_group_max(x, k, g)
+    return forms
+
+
+def time_ms(fn: Callable[[], object], repeats: int, chunks: int) -> float:
     times = []
     for _ in range(repeats):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -50,6 +81,10 @@ def time_ms(fn, repeats: int, chunks: int) -> float:
     return statistics.median(times)
 
 
+def same_values(logits: Tensor, ids: Tensor, reference: Tensor) -> bool:
+    return torch.equal(logits.gather(1, ids), logits.gather(1, reference))
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rows", type=int, default=1920, help="slots per loss chunk (128 blocks x 15 slots)")
@@ -58,25 +93,22 @@ def main() -> int:
     parser.add_argument("--chunks", type=int, default=26, help="loss chunks per step")
     parser.add_argument("--repeats", type=int, default=20)
     args = parser.parse_args()
+    forms = candidates(args.vocab, args.k)
 
     if not torch.cuda.is_available():
-        logits = torch.randn(64, args.vocab).to(torch.bfloat16)
-        grouped = top_k_ids_in_groups(logits, args.k, _top_k_group(args.vocab, args.k) or args.vocab)
-        same = torch.equal(logits.gather(1, grouped), topk_full(logits, args.k)[0])
-        print(f"no CUDA: checked on the CPU at [64, {args.vocab}]: values equal: {same}")
+        # Random rows, and rows whose largest logits all sit in one group (the case a wrong pruning would miss).
+        clustered = torch.arange(args.vocab, dtype=torch.float32).roll(args.vocab // 3).expand(4, -1)
+        for logits in (torch.randn(64, args.vocab).to(torch.bfloat16), clustered.contiguous()):
+            reference = topk_full(logits, args.k)
+            for name, fn in forms.items():
+                equal = same_values(logits, fn(logits), reference)
+                print(f"no CUDA: {name}: values equal at {list(logits.shape)} {logits.dtype}: {equal}")
         return 1
 
     logits = torch.randn(args.rows, args.vocab, device="cuda").to(torch.bfloat16)  # [N, V]
     reference = topk_full(logits, args.k)
-    grouped = top_k_ids(logits, args.k)
-    values_equal = torch.equal(reference[0], logits.gather(1, grouped))
-    ids_equal = (reference[1] == grouped).float().mean().item()
-    group = _top_k_group(args.vocab, args.k) or "none: one top-k"
-    variants = {
-        "topk over the row": lambda: topk_full(logits, args.k),
-        f"top_k_ids (groups of {group}, then the survivors)": lambda: top_k_ids(logits, args.k),
-        "argmax (a separate pass today)": lambda: logits.argmax(dim=-1),
-    }
+    variants = {name: (lambda fn=fn: fn(logits)) for name, fn in forms.items()}
+    variants["argmax (a separate pass today)"] = lambda: logits.argmax(dim=-1)
     for fn in variants.values():  # warm-up: kernels loaded, allocator primed
         fn()
     torch.cuda.synchronize()
@@ -84,8 +116,12 @@ def main() -> int:
     print(f"{args.rows} rows x {args.vocab} bf16 logits, k={args.k}, {args.chunks} chunks per step")
     for name, fn in variants.items():
         ms = time_ms(fn, args.repeats, args.chunks)
-        print(f"{name:55s} {ms:8.2f} ms per step  {step_bytes / ms / 1e6:8.1f} GB/s read once")
-    print(f"grouped values equal the reference's: {values_equal}; ids equal at {ids_equal:.4%} of places (ties aside)")
+        check = ""
+        if name in forms:
+            ids = forms[name](logits)
+            agree = (ids == reference).float().mean().item()
+            check = f"values equal: {same_values(logits, ids, reference)}, ids equal at {agree:.2%}"
+        print(f"{name:32s} {ms:8.2f} ms per step  {step_bytes / ms / 1e6:8.1f} GB/s read once  {check}")
     return 0
 
 

@@ -64,42 +64,10 @@ _MIN_GAMMA = 1.0
 def top_k_ids(logits: Tensor, k: int) -> Tensor:
     """The ids of each row's `k` largest logits, highest first: [N, V] -> [N, k] int64 (DFlash2's candidates).
 
-    In two stages when the vocabulary splits into groups of 512-4,096 (`_top_k_group`): the top-k within each group,
-    then the top-k of those G*k survivors. The k values are the same as one `torch.topk` over the row (a row's top-k
-    lies within the union of its groups' top-k), and so are the ids wherever no two logits tie at the k-th value
-    (where they do, which of the tied ids is kept is unspecified either way). Why: over a whole row of ~50K-150K
-    logits `torch.topk` runs a multi-pass radix select that the 2026-12-03 kernel profile put at 9.3 ms of a DFlash2
-    step at block 8 (about 20 ms predicted at block 16; `benchmarks/topk_bench.py` times both), while a group's
-    select runs in one thread block reading its slice once. On the CPU one `torch.topk` is faster (about 3x at
-    SmolLM2's vocabulary), so the two stages are for CUDA tensors. For static shapes (the loss compiles with
-    `dynamic=False`): the group size is plain Python over the vocabulary size."""
-    group = _top_k_group(logits.shape[-1], k) if logits.is_cuda else None
-    if group is None:
-        return torch.topk(logits, k, dim=-1).indices
-    return top_k_ids_in_groups(logits, k, group)
-
-
-def top_k_ids_in_groups(logits: Tensor, k: int, group: int) -> Tensor:
-    """`top_k_ids`'s two stages, groups of `group` logits (a divisor of the vocabulary): [N, V] -> [N, k]."""
-    rows, vocab = logits.shape
-    groups = vocab // group
-    values, local_ids = torch.topk(logits.view(rows, groups, group), k, dim=-1)  # [N, G, k]
-    ids = local_ids + torch.arange(groups, device=logits.device).view(1, groups, 1) * group  # [N, G, k]
-    survivors = torch.topk(values.view(rows, groups * k), k, dim=-1).indices  # [N, k]
-    return ids.view(rows, groups * k).gather(1, survivors)
-
-
-@lru_cache(maxsize=16)
-def _top_k_group(vocab: int, k: int) -> int | None:
-    """The group size for `top_k_ids`: the divisor of `vocab` in [512, 4096] nearest 1,024 (SmolLM2's 49,152: 1,024;
-    Qwen3's 151,936: 1,187), or None (one top-k over the row) for small vocabularies or none such divisor."""
-    if vocab < 8 * 1024 or k > 64:
-        return None
-    for distance in range(3073):  # outward from 1,024: the first divisor found is the nearest
-        for size in (1024 - distance, 1024 + distance):
-            if 512 <= size <= 4096 and vocab % size == 0:
-                return size
-    return None
+    One `torch.topk` over the row. A two-stage form (the top-k within groups of 1,024 logits, then of the survivors)
+    measured 2.3x slower on an H200 at the main job's shape (46.7 against 20.0 ms per step, 2026-12-04,
+    `benchmarks/topk_bench.py`, which times the other candidates)."""
+    return torch.topk(logits, k, dim=-1).indices
 
 
 def default_gamma(block_size: int) -> float:
