@@ -13,6 +13,8 @@
 #   (MAIN_OVERRIDES="k=v ..." changes the GPU 0 job too, e.g. to try a recipe change there while GPU 1 sweeps)
 #   (then the export's latency evaluation at batch 1, 24 prompts per set, eager and compiled drafter, ~4 min;
 #   LATENCY_EVAL=0: none)
+#   (THEN_OVERRIDES="k=v ...": after it, on GPU 0 and on its answers, the same job with these overrides added, e.g.
+#   `drafter.fp8=true`: a comparison on one GPU and one set of answers; logged and collected as the candidate)
 #   (RECIPE=NAME: GPU 0 trains that recipe instead of the default, e.g. RECIPE=smollm2-135m-gpu-general with
 #   PROMPTS=/tmp/mix-general-80k.jsonl.gz MAIN_OVERRIDES="prepare.shares={}", the recipe's prompts exported into
 #   `.mixg` (copied in instead of `.mix`) in the shares the recipe names, which apply to a named source only)
@@ -172,7 +174,18 @@ case "$STAGE" in
     bg main "$first cd $REPO && export CUDA_VISIBLE_DEVICES=0 OMP_NUM_THREADS=8 PYTHONPATH=$REPO/src:$SITE && \
       date +%s > $RES/main.start && python3 -m dflash_trainer train ${RECIPE:-} prepare.source=$PROMPTS ${MAIN_OVERRIDES:-}; \
       rc=\$?; date +%s > $RES/main.end; $latency (exit \$rc)"
-    if [ "$GPUS" -gt 1 ] && [ -n "${CANDIDATE:-}" ]; then
+    if [ -n "${THEN_OVERRIDES:-}" ]; then
+      # After the main job (and its latency evaluation), on GPU 0 and on its answers: the same recipe and overrides
+      # plus THEN_OVERRIDES, from $REPO2 with $REPO's data copied in (answers and shards, so no regeneration), e.g. a
+      # quality comparison on one GPU (`drafter.fp8=true`). Logged as the candidate job.
+      echo "${MAIN_OVERRIDES:-} $THEN_OVERRIDES" > "$RES/candidate.overrides"
+      bg candidate "(while [ ! -f $RES/main.rc ]; do sleep 10; done; [ \$(cat $RES/main.rc) = 0 ] || exit 3; \
+        rm -rf $REPO2/data && cp -r $REPO/data $REPO2/ && cd $REPO2 && \
+        export CUDA_VISIBLE_DEVICES=0 OMP_NUM_THREADS=8 PYTHONPATH=$REPO2/src:$SITE && date +%s > $RES/candidate.start && \
+        python3 -m dflash_trainer train ${RECIPE:-} prepare.source=$PROMPTS ${MAIN_OVERRIDES:-} $THEN_OVERRIDES; \
+        rc=\$?; date +%s > $RES/candidate.end; exit \$rc)"
+      echo "started: main job on GPU 0, then on its answers the same with: $THEN_OVERRIDES"
+    elif [ "$GPUS" -gt 1 ] && [ -n "${CANDIDATE:-}" ]; then
       echo "$CANDIDATE" > "$RES/candidate.overrides"
       bg candidate "cd $REPO2 && export CUDA_VISIBLE_DEVICES=1 OMP_NUM_THREADS=8 PYTHONPATH=$REPO2/src:$SITE && \
         date +%s > $RES/candidate.start && python3 -m dflash_trainer train prepare.source=$PROMPTS $CANDIDATE; \
@@ -212,7 +225,7 @@ case "$STAGE" in
       for repo in "$REPO" "$REPO2"; do
         partial=$(ls "$repo"/data/*-chat/regen.partial.jsonl 2>/dev/null | head -n 1)
         [ -n "$partial" ] && echo "$repo regenerated: $(wc -l < "$partial") records"
-        metrics=$(ls "$repo"/runs/*/metrics.jsonl 2>/dev/null | head -n 1)
+        metrics=$(ls -t "$repo"/runs/*/metrics.jsonl 2>/dev/null | head -n 1)
         [ -n "$metrics" ] && echo "$repo metrics: $(tail -n 1 "$metrics" | cut -c1-240)"
       done
       for job in main candidate sweep bench hybrid; do
