@@ -1,4 +1,4 @@
-"""DFlash2's candidate top-k over the vocabulary: one `torch.topk` per row against cheaper exact forms.
+"""DFlash2's candidate top-k over the vocabulary: one `torch.topk` per row against the group-max pruning.
 
 Run from the repository root on the GPU machine (seconds on one H200):
 
@@ -9,15 +9,14 @@ row of the vocabulary per slot. At the SmolLM2 main job's block 16 that is 26 ch
 rows of 49,152 bf16 logits per chunk (~4.9 GB of logits per step). One `torch.topk` over the row runs a multi-pass
 radix select: 20.0 ms per step on an H200 (2026-12-04), 245 GB/s against the 4.8 TB/s of one read.
 
-The candidates timed here, all exact (the same k values as `torch.topk`; the same ids wherever no two logits tie at
-the k-th value):
-- `groups-topk`: the top-k within each group of 1,024 logits, then of the G*k survivors. Measured 46.7 ms (2026-12-04):
-  a top-k per short slice is no cheaper than the row's.
-- `group-max` (per group size g): each group's maximum (one read of the logits, like `argmax`), the k groups with the
-  largest maxima, then the top-k of those k*g logits. Exact because a logit outside those k groups has k group
-  maxima at or above it, so at least k larger-or-equal logits: it is not needed for the k values. Predicted at g=64
-  (768 maxima, then 1,024 logits per row): about 3 ms for the maxima, 1-2 ms for the two small top-ks, so 4-6 ms.
-Also timed: `argmax` (the loss takes it beside the top-k; the top-k's first id is the argmax up to ties).
+The candidates timed here, all exact (the same k values as `torch.topk`; the same set of ids wherever no two logits
+tie at the k-th value): `group-max` per group size g (`model/loss.py::top_k_ids_by_group_max`, on CUDA at
+`TOP_K_GROUP`): each group's maximum (one read of the logits, like `argmax`), the k groups with the largest maxima,
+then the top-k of those k*g logits. Predicted at g=64 (768 maxima, then 1,024 logits per row): about 3 ms for the
+maxima, 1-2 ms for the two small top-ks, so 4-6 ms per step. Measured before (2026-12-04): a top-k within groups of
+1,024, then of the survivors, 46.7 ms.
+Each also compiled, as the loss runs it. Also timed: `argmax` (the loss takes it beside the top-k; the top-k's first
+id is the argmax up to ties).
 
 Prints, per variant, the median of `--repeats` CUDA-event timings of `--chunks` calls after warm-up, in ms per step,
 the effective read bandwidth, and whether the values equal the reference's. Without CUDA it checks every candidate's
@@ -34,37 +33,20 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
+from dflash_trainer.model.loss import TOP_K_GROUP, top_k_ids_by_group_max
+
 
 def topk_full(logits: Tensor, k: int) -> Tensor:
     return torch.topk(logits, k, dim=-1).indices  # [N, k]
 
 
-def topk_in_groups(logits: Tensor, k: int, group: int) -> Tensor:
-    rows, vocab = logits.shape
-    groups = vocab // group
-    values, local_ids = torch.topk(logits.view(rows, groups, group), k, dim=-1)  # [N, G, k]
-    ids = local_ids + torch.arange(groups, device=logits.device).view(1, groups, 1) * group  # [N, G, k]
-    survivors = torch.topk(values.view(rows, groups * k), k, dim=-1).indices  # [N, k]
-    return ids.view(rows, groups * k).gather(1, survivors)
-
-
-def topk_by_group_max(logits: Tensor, k: int, group: int) -> Tensor:
-    rows, vocab = logits.shape
-    group_max = logits.view(rows, vocab // group, group).amax(dim=-1)  # [N, G]
-    best_groups = torch.topk(group_max, k, dim=-1).indices  # [N, k]
-    pool_ids = (best_groups.unsqueeze(-1) * group + torch.arange(group, device=logits.device)).view(rows, k * group)
-    picked = torch.topk(logits.gather(1, pool_ids), k, dim=-1).indices  # [N, k] into the pool
-    return pool_ids.gather(1, picked)  # [N, k]
-
-
 def candidates(vocab: int, k: int) -> dict[str, Callable[[Tensor], Tensor]]:
     """Each exact candidate whose group size divides the vocabulary (no padding copy)."""
     forms: dict[str, Callable[[Tensor], Tensor]] = {"topk over the row": lambda x: topk_full(x, k)}
-    if vocab % 1024 == 0:
-        forms["groups-topk, g=1024"] = lambda x: topk_in_groups(x, k, 1024)
     for group in (32, 64, 128, 256):
         if vocab % group == 0 and vocab // group >= k:
-            forms[f"group-max, g={group}"] = lambda x, g=group: topk_by_group_max(x, k, g)
+            production = " (top_k_ids)" if group == TOP_K_GROUP else ""
+            forms[f"group-max, g={group}{production}"] = lambda x, g=group: top_k_ids_by_group_max(x, k, g)
     return forms
 
 
@@ -108,6 +90,11 @@ def main() -> int:
     logits = torch.randn(args.rows, args.vocab, device="cuda").to(torch.bfloat16)  # [N, V]
     reference = topk_full(logits, args.k)
     variants = {name: (lambda fn=fn: fn(logits)) for name, fn in forms.items()}
+    # Production runs inside the loss chunk's compiled graph (`_compiled_loss_chunk`, static shapes): time that too.
+    for name in ("topk over the row", f"group-max, g={TOP_K_GROUP} (top_k_ids)"):
+        compiled = torch.compile(forms[name], dynamic=False, fullgraph=True)
+        forms[f"{name}, compiled"] = compiled
+        variants[f"{name}, compiled"] = lambda fn=compiled: fn(logits)
     variants["argmax (a separate pass today)"] = lambda: logits.argmax(dim=-1)
     for fn in variants.values():  # warm-up: kernels loaded, allocator primed
         fn()
@@ -121,7 +108,7 @@ def main() -> int:
             ids = forms[name](logits)
             agree = (ids == reference).float().mean().item()
             check = f"values equal: {same_values(logits, ids, reference)}, ids equal at {agree:.2%}"
-        print(f"{name:32s} {ms:8.2f} ms per step  {step_bytes / ms / 1e6:8.1f} GB/s read once  {check}")
+        print(f"{name:44s} {ms:8.2f} ms per step  {step_bytes / ms / 1e6:8.1f} GB/s read once  {check}")
     return 0
 
 

@@ -61,13 +61,39 @@ _PAPER_GAMMA = {8: 4.0, 10: 5.0, 16: 7.0}
 _MIN_GAMMA = 1.0
 
 
+# Logits per group in `top_k_ids`'s pruning on CUDA; `benchmarks/topk_bench.py` times the sizes that divide the
+# vocabulary. 64: SmolLM2's 49,152 logits per slot are 768 groups, and the final top-k reads 16 x 64 = 1,024 of them.
+TOP_K_GROUP = 64
+
+
 def top_k_ids(logits: Tensor, k: int) -> Tensor:
     """The ids of each row's `k` largest logits, highest first: [N, V] -> [N, k] int64 (DFlash2's candidates).
 
-    One `torch.topk` over the row. A two-stage form (the top-k within groups of 1,024 logits, then of the survivors)
-    measured 2.3x slower on an H200 at the main job's shape (46.7 against 20.0 ms per step, 2026-12-04,
-    `benchmarks/topk_bench.py`, which times the other candidates)."""
+    On CUDA, when `TOP_K_GROUP` divides the vocabulary into at least k groups: `top_k_ids_by_group_max`, the same k
+    values as one `torch.topk` over the row, and the same set of ids wherever no two logits tie at the k-th value
+    (which of tied ids is kept, and the order of equal values, are unspecified either way). Why: one `torch.topk`
+    over a ~50K-wide row runs a multi-pass radix select, 20.0 ms per step at the SmolLM2 DFlash2 main job's shape on
+    an H200 (245 GB/s; 2026-12-04), where one read of the logits takes about 1 ms. A top-k within groups of 1,024,
+    then of the survivors, measured 46.7 ms. On the CPU one `torch.topk`."""
+    groups = logits.shape[-1] // TOP_K_GROUP
+    if logits.is_cuda and logits.shape[-1] % TOP_K_GROUP == 0 and groups >= k:
+        return top_k_ids_by_group_max(logits, k, TOP_K_GROUP)
     return torch.topk(logits, k, dim=-1).indices
+
+
+def top_k_ids_by_group_max(logits: Tensor, k: int, group: int) -> Tensor:
+    """`top_k_ids` by pruning: each group's maximum (one read of the logits), the k groups with the largest maxima,
+    then the top-k of those k*group logits. [N, V] -> [N, k], `group` a divisor of V with V / group >= k.
+
+    Exact: a logit x in a group outside the k kept ones has k kept groups whose maxima are >= x, k logits >= x
+    besides itself, so the k largest values are found among the kept groups (ties at the k-th value aside)."""
+    rows, vocab = logits.shape
+    group_max = logits.view(rows, vocab // group, group).amax(dim=-1)  # [N, G]
+    best_groups = torch.topk(group_max, k, dim=-1).indices  # [N, k]
+    offsets = torch.arange(group, device=logits.device)  # [g]
+    pool_ids = (best_groups.unsqueeze(-1) * group + offsets).view(rows, k * group)  # [N, k*g] vocabulary ids
+    picked = torch.topk(logits.gather(1, pool_ids), k, dim=-1).indices  # [N, k] positions in the pool
+    return pool_ids.gather(1, picked)
 
 
 def default_gamma(block_size: int) -> float:
