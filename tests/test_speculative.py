@@ -459,6 +459,14 @@ def test_evaluate_writes_report_table_and_histogram(chat_target, prompt_file, tm
         for prompt in load_prompt_set(str(prompt_file))
     ]
     assert data.tau_per_prompt == pytest.approx(sum(per_prompt) / 3)
+    # Each prompt's record, in the set's order, adds up to the pooled numbers.
+    prompt_ids = [prompt.id for prompt in load_prompt_set(str(prompt_file))][:3]
+    assert [entry.id for entry in data.prompts] == prompt_ids
+    assert [entry.tau for entry in data.prompts] == pytest.approx(per_prompt)
+    assert sum(entry.steps for entry in data.prompts) == steps
+    assert sum(entry.committed for entry in data.prompts) == data.new_tokens - 3
+    saved = json.loads((tmp_path / "eval" / "eval.json").read_text())["datasets"][0]["prompts"]
+    assert [entry["id"] for entry in saved] == prompt_ids
     assert data.batch_rows == 3 and report.complete
     assert data.baseline_tokens_per_s > 0 and data.speculative_tokens_per_s > 0
     assert data.speedup == pytest.approx(data.speculative_tokens_per_s / data.baseline_tokens_per_s)

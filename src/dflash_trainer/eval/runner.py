@@ -101,6 +101,17 @@ class Throughput:
 
 
 @dataclass
+class PromptTau:
+    """One prompt's speculative decoding, so that a report can be cut by prompt or category after the fact (an id
+    such as `mtbench-81` names the question, whose category the set's file gives)."""
+
+    id: str
+    tau: float  # committed / steps
+    committed: int  # tokens committed by the target forwards (the output less the prefill's first token)
+    steps: int  # target forwards
+
+
+@dataclass
 class DatasetReport:
     name: str
     num_prompts: int
@@ -122,6 +133,7 @@ class DatasetReport:
     check_s: float = 0.0
     # One entry per batch size timed, largest first (the fields above repeat the first).
     throughput: list[Throughput] = field(default_factory=list)
+    prompts: list[PromptTau] = field(default_factory=list)  # in the set's order
 
 
 @dataclass
@@ -394,6 +406,15 @@ def _evaluate_dataset(
         speculative_s=sum(run.wall_s for run in speculative_runs),
         check_s=check_s,
         throughput=throughput,
+        prompts=[
+            PromptTau(
+                id=prompt.id,
+                tau=result.tau,
+                committed=sum(result.accepted_lengths),
+                steps=len(result.accepted_lengths),
+            )
+            for prompt, result in zip(prompts, speculative, strict=True)
+        ],
     )
 
 
