@@ -9,6 +9,7 @@ gigabyte of package data, tens of seconds on 2 cores).
 from __future__ import annotations
 
 import gzip
+import hashlib
 import json
 import os
 import random
@@ -527,6 +528,7 @@ def test_stratify_keeps_every_prefix_at_the_shares_until_a_category_runs_out():
         ("openai-evals:sql:3", "code"),
         ("openai-evals:jee-math:3", "math"),
         ("openai-evals:sarcasm:3", "chat"),
+        ("writing:blog_post:3", "writing"),
         ("my-file-3", "chat"),
     ],
 )
@@ -587,6 +589,26 @@ def test_mix_general_prefixes_hold_every_kind_of_traffic():
     assert recipe["code"] == counts["code"] and recipe["dialogue"] == counts["dialogue"]
     assert recipe["math"] > 20_000
     assert load_prompt_set("mix-general", split="train", limit=7) == prompts[:7]
+
+
+# sha256 of the ids, one a line, of the first 80,000 prompts of `mix-general` in the general recipe's shares, as they
+# were answered before `writing` joined the mixture (appended: shares without it must give these prompts unchanged).
+GENERAL_RECIPE_PREFIX_SHA256 = "eee51d0985621cba81716b92c463aef637cebe8f6ae0f4148fa0fbc860bfc454"
+
+
+@pytest.mark.slow
+def test_mix_general_recipe_prefix_is_pinned_and_writing_takes_its_share():
+    from dflash_trainer.data.prompts import GENERAL_SHARES
+    from dflash_trainer.data.sources.categories import category_of
+
+    recipe_shares = {"dialogue": 0.10, "chat": 0.35, "code": 0.25, "math": 0.25, "puzzle": 0.05}
+    assert recipe_shares == GENERAL_SHARES
+    for shares in (None, recipe_shares):
+        ids = "\n".join(p.id for p in load_prompt_set("mix-general", split="train", limit=80_000, shares=shares))
+        assert hashlib.sha256(ids.encode()).hexdigest() == GENERAL_RECIPE_PREFIX_SHA256
+    with_writing = {"dialogue": 0.1, "chat": 0.25, "writing": 0.15, "code": 0.2, "math": 0.25, "puzzle": 0.05}
+    prefix = Counter(category_of(p.id) for p in load_prompt_set("mix-general", "train", 20_000, shares=with_writing))
+    assert all(abs(prefix[name] - share * 20_000) <= 1 for name, share in with_writing.items()), prefix
 
 
 _GENERATE = """
@@ -667,6 +689,8 @@ def test_setup_script_pins_the_packages_the_code_reads():
     script = (ROOT / "scripts" / "setup.sh").read_text()
     pins = dict(re.findall(r'"([A-Za-z0-9_.-]+)==([^"]+)"', script))
     for spec in PROMPT_SETS.values():
+        if spec.package.module == "dflash_trainer":
+            continue  # composed by this project's own code (`writing`): nothing to install
         assert pins.get(spec.package.package) == spec.package.version, spec.package.package
     for requirement in reasoning_gym.DEPENDENCIES:
         package, version = requirement.split("==")

