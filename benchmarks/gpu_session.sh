@@ -16,8 +16,8 @@
 #   (THEN_OVERRIDES="k=v ...": after it, on GPU 0 and on its answers, the same job with these overrides added, e.g.
 #   `drafter.fp8=true`: a comparison on one GPU and one set of answers; logged and collected as the candidate)
 #   (RECIPE=NAME: GPU 0 trains that recipe instead of the default, e.g. RECIPE=smollm2-135m-gpu-general with
-#   PROMPTS=/tmp/mix-general-80k.jsonl.gz MAIN_OVERRIDES="prepare.shares={}", the recipe's prompts exported into
-#   `.mixg` (copied in instead of `.mix`) in the shares the recipe names, which apply to a named source only)
+#   PROMPTS=/tmp/mix-general-writing-80k.jsonl.gz MAIN_OVERRIDES="prepare.shares={}", the recipe's prompts exported
+#   into `.mixw` (copied in instead of `.mix`) in the shares the recipe names, which apply to a named source only)
 #   (or SWEEP=1: benchmarks/quality_sweep.sh on GPU 1, one run at a time, on the main job's data; with
 #   BENCH_FIRST=smollm2 (or paper,smollm2) GPU 1 first runs the speed benchmarks of `bench_on` below:
 #   benchmarks/train_bench.sh with the kernel profile and the latest ablations (BENCH_ABLATIONS=new; 0: none,
