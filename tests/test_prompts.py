@@ -33,6 +33,12 @@ def test_mtbench_first_turns():
     assert load_prompt_set("mtbench", split="train") == loaded  # split is ignored
     assert len({p.id for p in loaded}) == 80
     assert loaded[0].id == "mtbench-81"
+    # MT-Bench's eight categories, ten questions each, in the file's order: reports cut tau by them.
+    categories = [p.category for p in loaded]
+    assert categories[0] == "writing" and categories[10] == "roleplay"
+    assert {c: categories.count(c) for c in set(categories)} == dict.fromkeys(
+        ("writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities"), 10
+    )
     assert loaded[0].messages == [
         {
             "role": "user",

@@ -4,6 +4,7 @@ drafter context bookkeeping, and the evaluation runner (report files, lossless c
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 from pathlib import Path
 
@@ -467,6 +468,10 @@ def test_evaluate_writes_report_table_and_histogram(chat_target, prompt_file, tm
     assert sum(entry.committed for entry in data.prompts) == data.new_tokens - 3
     saved = json.loads((tmp_path / "eval" / "eval.json").read_text())["datasets"][0]["prompts"]
     assert [entry["id"] for entry in saved] == prompt_ids
+    assert "tau by category" not in report.format_table()  # a prompt file has no categories
+    one_category = [dataclasses.replace(entry, category="writing") for entry in data.prompts]
+    categorised = dataclasses.replace(report, datasets=[dataclasses.replace(data, prompts=one_category)])
+    assert f"tau by category {data.name}: writing {data.tau:.2f}" in categorised.format_table()
     assert data.batch_rows == 3 and report.complete
     assert data.baseline_tokens_per_s > 0 and data.speculative_tokens_per_s > 0
     assert data.speedup == pytest.approx(data.speculative_tokens_per_s / data.baseline_tokens_per_s)
@@ -622,3 +627,15 @@ def test_finished_datasets_survive_a_later_failure(chat_target, tmp_path, monkey
     report = json.loads((tmp_path / "eval" / "eval.json").read_text())
     assert report["complete"] is False and [data["name"] for data in report["datasets"]] == [str(paths[0])]
     assert report["datasets"][0]["exact_matches"] == 2
+
+
+def test_tau_by_category_pools_each_categorys_steps():
+    from dflash_trainer.eval.runner import PromptTau, tau_by_category
+
+    prompts = [
+        PromptTau(id="mtbench-81", category="writing", tau=2.0, committed=20, steps=10),
+        PromptTau(id="mtbench-82", category="writing", tau=4.0, committed=8, steps=2),
+        PromptTau(id="mtbench-91", category="roleplay", tau=1.5, committed=15, steps=10),
+    ]
+    assert tau_by_category(prompts) == {"writing": pytest.approx(28 / 12), "roleplay": pytest.approx(1.5)}
+    assert tau_by_category([PromptTau(id="p", category=None, tau=1.0, committed=4, steps=4)]) == {}

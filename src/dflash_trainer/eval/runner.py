@@ -102,10 +102,10 @@ class Throughput:
 
 @dataclass
 class PromptTau:
-    """One prompt's speculative decoding, so that a report can be cut by prompt or category after the fact (an id
-    such as `mtbench-81` names the question, whose category the set's file gives)."""
+    """One prompt's speculative decoding, so that a report can be cut by prompt or category after the fact."""
 
     id: str
+    category: str | None  # the set's own category (MT-Bench's eight), None where it has none
     tau: float  # committed / steps
     committed: int  # tokens committed by the target forwards (the output less the prefill's first token)
     steps: int  # target forwards
@@ -409,6 +409,7 @@ def _evaluate_dataset(
         prompts=[
             PromptTau(
                 id=prompt.id,
+                category=prompt.category,
                 tau=result.tau,
                 committed=sum(result.accepted_lengths),
                 steps=len(result.accepted_lengths),
@@ -532,7 +533,24 @@ def format_table(report: EvalReport) -> str:
             f"{length}:{100 * count / steps:.0f}%" for length, count in enumerate(data.accepted_histogram, start=1)
         )
         lines.append(f"accepted lengths {data.name}: {shares}")
+    for data in report.datasets:
+        by_category = tau_by_category(data.prompts)
+        if by_category:
+            tau = ", ".join(f"{category} {value:.2f}" for category, value in by_category.items())
+            lines.append(f"tau by category {data.name}: {tau}")
     return "\n".join(lines)
+
+
+def tau_by_category(prompts: list[PromptTau]) -> dict[str, float]:
+    """Tau pooled over the steps of each category's prompts, in order of first appearance; empty when the set has
+    no categories. Pooled as the set's tau is: committed tokens over target forwards."""
+    committed: dict[str, int] = {}
+    steps: dict[str, int] = {}
+    for prompt in prompts:
+        if prompt.category is not None:
+            committed[prompt.category] = committed.get(prompt.category, 0) + prompt.committed
+            steps[prompt.category] = steps.get(prompt.category, 0) + prompt.steps
+    return {category: committed[category] / steps[category] if steps[category] else 0.0 for category in committed}
 
 
 def _lossless_summary(data: DatasetReport) -> str:

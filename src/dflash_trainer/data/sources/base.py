@@ -43,6 +43,9 @@ class Prompt:
     messages: list[ChatMessage]
     # Reference answer or solution when the set has one.
     reference: str | None = None
+    # The evaluation set's own category of the prompt when it has them (MT-Bench's writing, roleplay, reasoning, ...),
+    # for reports cut by category.
+    category: str | None = None
 
     def text(self) -> str:
         """Every message's content, in order: what de-duplication and the length cap look at."""
@@ -168,8 +171,8 @@ def task_of(prompt_id: str) -> str:
     return parts[1] if len(parts) >= 3 else "all"
 
 
-def user_prompt(prompt_id: str, content: str, reference: str | None = None) -> Prompt:
-    return Prompt(id=prompt_id, messages=[{"role": "user", "content": content}], reference=reference)
+def user_prompt(prompt_id: str, content: str, reference: str | None = None, category: str | None = None) -> Prompt:
+    return Prompt(id=prompt_id, messages=[{"role": "user", "content": content}], reference=reference, category=category)
 
 
 def no_split(set_name: str, split: str) -> None:

@@ -55,7 +55,8 @@ def load_mtbench(package_dir: Path, split: str, caps: Caps, tally: Tally) -> lis
         if not (isinstance(turns, list) and turns and isinstance(turns[0], str)):
             raise PromptSetError(f"{path}:{line_no}: field 'turns': expected a non-empty list of strings")
         question_id = record.get("question_id", line_no)
-        prompts.append(user_prompt(f"mtbench-{question_id}", turns[0]))
+        category = record.get("category")
+        prompts.append(user_prompt(f"mtbench-{question_id}", turns[0], category=category if category else None))
     tally.keep("mtbench", "all", len(prompts))
     return prompts
 
