@@ -70,7 +70,11 @@ mkdir -p "$RES"
 bg() {  # name, command...: run in its own session, surviving this command; exit status in $RES/name.rc
   local name=$1
   shift
-  setsid bash -c "{ $*; } > $RES/$name.log 2>&1; echo \$? > $RES/$name.rc" < /dev/null > /dev/null 2>&1 &
+  # A status left by an earlier run of the same job would read as this one's end; the status is written whole
+  # (a temporary file renamed), so a reader never sees it empty.
+  rm -f "$RES/$name.rc"
+  setsid bash -c "{ $*; } > $RES/$name.log 2>&1; echo \$? > $RES/$name.rc.tmp; mv $RES/$name.rc.tmp $RES/$name.rc" \
+    < /dev/null > /dev/null 2>&1 &
 }
 
 # The speed benchmarks of BENCH_FIRST on GPU $1 ("paper", "smollm2" or both, comma-separated, in that order):
@@ -178,8 +182,9 @@ case "$STAGE" in
       # After the main job (and its latency evaluation), on GPU 0 and on its answers: the same recipe and overrides
       # plus THEN_OVERRIDES, from $REPO2 with $REPO's data copied in (answers and shards, so no regeneration), e.g. a
       # quality comparison on one GPU (`drafter.fp8=true`). Logged as the candidate job.
-      echo "${MAIN_OVERRIDES:-} $THEN_OVERRIDES" > "$RES/candidate.overrides"
-      bg candidate "(while [ ! -f $RES/main.rc ]; do sleep 10; done; [ \$(cat $RES/main.rc) = 0 ] || exit 3; \
+      echo "${RECIPE:-} ${MAIN_OVERRIDES:-} $THEN_OVERRIDES" > "$RES/candidate.overrides"
+      [ -z "${CANDIDATE:-}" ] && [ "${SWEEP:-0}" = 0 ] || echo "THEN_OVERRIDES is set: no CANDIDATE or SWEEP job"
+      bg candidate "(while [ ! -f $RES/main.rc ]; do sleep 10; done; [ \"\$(cat $RES/main.rc)\" = 0 ] || exit 3; \
         rm -rf $REPO2/data && cp -r $REPO/data $REPO2/ && cd $REPO2 && \
         export CUDA_VISIBLE_DEVICES=0 OMP_NUM_THREADS=8 PYTHONPATH=$REPO2/src:$SITE && date +%s > $RES/candidate.start && \
         python3 -m dflash_trainer train ${RECIPE:-} prepare.source=$PROMPTS ${MAIN_OVERRIDES:-} $THEN_OVERRIDES; \

@@ -135,6 +135,10 @@ def test_prompts_read_as_written_requests(composed):
         text = prompt.text()
         assert text[0].isupper() and text[-1] in ".?", text
         assert not re.search(r"\s{2}|\s[,.:;?]|[{}]|\.\.", text), text
+        # Slots read in their sentence: the article fits the word after it (not "a eight-slide"; "a eulogy" and
+        # "a one-page" are right), and no clause of a list entry meets the template's own ("who is ... who are").
+        assert not re.search(r"\ba (?!eu)[aeiAEI]|\ba o(?!ne)|\ban [b-df-gj-np-tv-z]", text), text
+        assert not re.search(r"\bwho [^.]*\bwho are\b|applying [^.]*applying", text), text
         assert len(text) <= MAX_PROMPT_CHARS
 
 

@@ -168,7 +168,7 @@ TEMPLATES = (
     ),
     Template(
         "talk_outline",
-        "Draft a {slide_count}-slide talk on {topic} for {talk_audience}. For each slide give a heading, its key "
+        "Draft a talk of {slide_count} slides on {topic} for {talk_audience}. For each slide give a heading, its key "
         "points and a few lines of speaker notes.",
         ("topic",),
     ),
@@ -186,7 +186,7 @@ TEMPLATES = (
     ),
     Template(
         "study_notes",
-        "Turn {topic} into revision notes for a student: the key terms with definitions, the main points as bullets, "
+        "Write revision notes on {topic} for a student: the key terms with definitions, the main points as bullets, "
         "and three practice questions with answers.",
         ("topic",),
     ),
@@ -247,8 +247,8 @@ TEMPLATES = (
     ),
     Template(
         "training_plan",
-        "Write a {plan_weeks}-week plan to help me {goal}. I am starting {starting_point}; say what to do each week "
-        "and how to tell whether I am on track.",
+        "Write a plan for the next {plan_weeks} weeks to help me {goal}. I am starting {starting_point}; say what to "
+        "do each week and how to tell whether I am on track.",
         ("goal",),
     ),
     # Arguing and weighing up.
@@ -414,7 +414,7 @@ TEMPLATES = (
     ),
     Template(
         "dialogue_scene",
-        "Write a short script for a scene between {pair} who are {scene_setting}. Reveal their personalities through "
+        "Write a short script for a scene between {pair}. They are {scene_setting}. Reveal their personalities through "
         "what they say, and end the scene with a surprise.",
         ("pair", "scene_setting"),
     ),
@@ -2486,7 +2486,7 @@ APPLICANTS = _lines("""
     someone with fifteen years of experience in the role
     someone moving from the same role in another country
     a career changer who has just finished retraining
-    a current employee applying for a promotion
+    an employee of the same company seeking a promotion
     someone whose last employer has closed down
     someone looking for part-time hours
 """)
@@ -3255,7 +3255,7 @@ PAIRS = _lines("""
     a museum guard and a statue that comes to life
 """)
 
-# Where the two people are, after "who are".
+# Where the two people are, after "They are".
 SCENE_SETTINGS = _lines("""
     stuck in a lift that has stopped between floors
     waiting for a delayed train at a tiny rural station
