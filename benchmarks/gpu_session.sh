@@ -137,7 +137,7 @@ hybrid_command() {
 # layers; ~2 min), from $REPO.
 smoke_command() {
   echo "PYTHONPATH=$REPO/src:$SITE timeout 300 python3 -m pytest -q -x -m gpu -p no:cacheprovider \
-    tests/test_gpu.py tests/test_packed_target_gpu.py -k 'not hybrid'"
+    tests/test_gpu.py tests/test_packed_target_gpu.py tests/test_top_k_ids.py -k 'not hybrid'"
 }
 
 case "$STAGE" in

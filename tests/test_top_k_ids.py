@@ -51,3 +51,15 @@ def test_group_max_pruning_with_as_many_groups_as_k(k: int) -> None:
 def test_top_k_ids_on_the_cpu_is_one_topk() -> None:
     logits = torch.randn(7, 49_152)
     assert torch.equal(top_k_ids(logits, 16), torch.topk(logits, 16, dim=-1).indices)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_top_k_ids_on_cuda_eager_and_compiled_as_the_loss_runs_it() -> None:
+    # The loss chunk runs `top_k_ids` inside torch.compile(dynamic=False, fullgraph=True): both forms, bf16 logits
+    # at SmolLM2's vocabulary, against one torch.topk.
+    torch.manual_seed(0)
+    logits = (torch.randn(1_920, 49_152, device="cuda") * 4).to(torch.bfloat16)  # [N, V]
+    compiled = torch.compile(top_k_ids, dynamic=False, fullgraph=True)
+    for ids in (top_k_ids(logits, 16), compiled(logits, 16)):
+        _check_same_values(logits, ids, 16)
