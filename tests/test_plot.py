@@ -116,6 +116,37 @@ def test_several_runs_are_overlaid_in_one_plot_each(tmp_path, capsys):
     assert not (baseline / "plots").exists()  # the runs' own plot folders are left alone
 
 
+def write_report(run, datasets: dict[str, tuple[float, float]], num_prompts: int = 80) -> None:
+    (run / "eval").mkdir(parents=True)
+    entries = [
+        {"name": name, "num_prompts": num_prompts, "tau": tau, "tau_per_prompt": per_prompt}
+        for name, (tau, per_prompt) in datasets.items()
+    ]
+    (run / "eval" / "eval.json").write_text(json.dumps({"datasets": entries}))
+
+
+def test_several_runs_with_evaluations_get_their_held_out_tau_side_by_side(tmp_path, capsys):
+    dflash, dflash2 = tmp_path / "dflash-wsd", tmp_path / "dflash2-wsd"
+    for run in (dflash, dflash2):
+        run.mkdir()
+        write_metrics(run / "metrics.jsonl", synthetic_run(20))
+    write_report(dflash, {"gsm8k": (3.59, 3.69), "mtbench": (2.32, 2.60)})
+    write_report(dflash2, {"gsm8k": (4.25, 4.42), "humaneval": (3.43, 3.54)})
+    out = tmp_path / "compare"
+
+    assert main(["plot", str(dflash), str(dflash2), "--out", str(out)]) == 0
+
+    table = (out / "tau.md").read_text().splitlines()
+    assert table[0] == "| dataset | prompts | dflash-wsd | dflash2-wsd | dflash2-wsd / dflash-wsd |"
+    assert table[2:] == [
+        "| gsm8k | 80 | 3.59 (3.69) | 4.25 (4.42) | 1.18x |",
+        "| mtbench | 80 | 2.32 (2.60) | - | - |",  # a dataset one run did not evaluate
+        "| humaneval | 80 | - | 3.43 (3.54) | - |",
+    ]
+    printed = capsys.readouterr().out
+    assert "| gsm8k | 80 | 3.59 (3.69) | 4.25 (4.42) | 1.18x |" in printed and str(out / "tau.md") in printed
+
+
 def test_comparing_with_a_run_that_has_no_metrics_names_it(tmp_path):
     write_metrics(tmp_path / "metrics.jsonl", synthetic_run(5))
     with pytest.raises(PlotError, match="missing"):

@@ -241,6 +241,7 @@ def cmd_convert_checkpoint(args: argparse.Namespace) -> int:
 
 
 def cmd_plot(args: argparse.Namespace) -> int:
+    from .eval.compare import comparison_table
     from .train.plot import PlotError, plot_run, plot_runs
 
     if len(args.run_dirs) == 1:
@@ -249,6 +250,13 @@ def cmd_plot(args: argparse.Namespace) -> int:
     else:
         paths = plot_runs(args.run_dirs, args.out or COMPARE_PLOTS_DIR)
         wanted = "loss, tau"
+        table = comparison_table(args.run_dirs)
+        if table is not None:  # the runs' held-out tau beside their curves
+            table_path = Path(args.out or COMPARE_PLOTS_DIR) / "tau.md"
+            table_path.parent.mkdir(parents=True, exist_ok=True)
+            table_path.write_text(table + "\n", encoding="utf-8")
+            print(table)
+            paths = [*paths, table_path]
     if not paths:
         raise PlotError(f"{', '.join(args.run_dirs)}: the metrics hold none of {wanted}: nothing to plot")
     for path in paths:
@@ -422,7 +430,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     plot = sub.add_parser(
         "plot",
-        help="draw loss / accuracy / tau curves of a run as PNG, or overlay several runs' loss and tau",
+        help="draw loss / accuracy / tau curves of a run as PNG, or overlay several runs' loss and tau and table "
+        "their held-out tau (eval/eval.json) side by side",
     )
     plot.add_argument("run_dirs", nargs="+", metavar="run_dir")
     plot.add_argument(

@@ -411,6 +411,7 @@ def load_drafter_any(path: str | Path, device: torch.device | str = "cpu"):
 
 
 def export_command(*, checkpoint: str, out_dir: str, dtype: str, overwrite: bool = False) -> None:
+    from ..eval.compare import read_report
     from ..export import export_drafter, read_export_config
     from ..provenance import (
         SOURCE_KEY,
@@ -447,7 +448,7 @@ def export_command(*, checkpoint: str, out_dir: str, dtype: str, overwrite: bool
     if config is None and known:
         training["data"] = known.get("data")
     digest = drafter_digest(drafter.state_dict())
-    evaluations = [_read_report(path / "eval" / "eval.json") for path in (source, run)]
+    evaluations = [read_report(path / "eval" / "eval.json") for path in (source, run)]
     evaluation = next((report for report in evaluations if report.get("drafter_digest") == digest), None)
     export_drafter(
         drafter,
@@ -460,14 +461,6 @@ def export_command(*, checkpoint: str, out_dir: str, dtype: str, overwrite: bool
         overwrite=overwrite,
     )
     print(f"exported {source} -> {out_dir}")
-
-
-def _read_report(path: Path) -> dict:
-    try:
-        report = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return {}
-    return report if isinstance(report, dict) else {}
 
 
 def run_config_of(checkpoint: Path) -> RunConfig:
