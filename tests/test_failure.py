@@ -173,3 +173,21 @@ def test_ctrl_c_under_nproc_stops_the_ranks_cleanly(tmp_path, data):
     assert "SIGINT: finishing this step, writing a checkpoint" in out
     assert "launcher: stopped by SIGINT" in out
     assert len(list((tmp_path / "run" / "checkpoints").glob("step-*"))) == 1
+
+
+def test_a_rank_stopping_for_anothers_failure_waits_for_its_recorded_status(tmp_path):
+    # The first failing rank claims the slot, then prints and writes the job's status: a rank that read the claim
+    # and gets to its exit first must wait for the status (else it exits non-zero and torchrun adds a traceback).
+    from dflash_trainer.distributed.failure import _status_recorded
+
+    status = tmp_path / "status"
+    status.write_text("")  # the launcher creates it empty
+    writer = threading.Timer(0.3, lambda: status.write_text("2\n"))
+    writer.start()
+    started = time.monotonic()
+    assert _status_recorded(status, timeout_s=5.0)
+    assert 0.2 < time.monotonic() - started < 5.0
+    writer.join()
+    never = tmp_path / "never"
+    never.write_text("")
+    assert not _status_recorded(never, timeout_s=0.2)  # a first rank that could not write: the real status

@@ -59,6 +59,8 @@ from .world import World
 
 POLL_S = 1.0
 GRACE_S = 2.0
+# How long a rank stopping for another's failure waits for that rank to record the job's status (`_exit_after`).
+STATUS_WAIT_S = 10.0
 # Store operations on the failure path must not hold up the exit for long.
 STORE_TIMEOUT_S = 10.0
 FAIL_ENV = "DFLASH_TEST_FAIL_AT_STEP"
@@ -201,13 +203,25 @@ def _record_job_status(status: int) -> bool:
 
 def _exit_after(first_kind: str) -> NoReturn:
     """A rank stopping for another rank's failure: 0 under the launcher once the status is recorded, else the
-    first failure's status."""
+    first failure's status.
+
+    The first failing rank claims the slot before it prints its error and writes the status, so a rank that read
+    the claim can get here first: it waits for the status (at most STATUS_WAIT_S; milliseconds in practice). Exiting
+    with the real status instead made torchrun print its own report and traceback under the launcher's one line."""
     path = os.environ.get(STATUS_FILE_ENV)
-    recorded = False
-    if path:
-        with contextlib.suppress(OSError):
-            recorded = bool(Path(path).read_text().strip())
+    recorded = bool(path) and _status_recorded(Path(path), STATUS_WAIT_S)
     _exit_now(0 if recorded else EXIT_STATUS[first_kind])
+
+
+def _status_recorded(path: Path, timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        with contextlib.suppress(OSError):
+            if path.read_text().strip():
+                return True
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.05)
 
 
 def injected_write_fault(what: str) -> None:
