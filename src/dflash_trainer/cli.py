@@ -248,11 +248,12 @@ def cmd_plot(args: argparse.Namespace) -> int:
         paths = plot_run(args.run_dirs[0], args.out)
         wanted = "loss, acc, tau, lr"
     else:
-        paths = plot_runs(args.run_dirs, args.out or COMPARE_PLOTS_DIR)
+        out = Path(args.out or COMPARE_PLOTS_DIR)
+        paths = plot_runs(args.run_dirs, out)
         wanted = "loss, tau"
         table = comparison_table(args.run_dirs)
         if table is not None:  # the runs' held-out tau beside their curves
-            table_path = Path(args.out or COMPARE_PLOTS_DIR) / "tau.md"
+            table_path = out / "tau.md"
             table_path.parent.mkdir(parents=True, exist_ok=True)
             table_path.write_text(table + "\n", encoding="utf-8")
             print(table)

@@ -544,13 +544,13 @@ def format_table(report: EvalReport) -> str:
 def tau_by_category(prompts: list[PromptTau]) -> dict[str, float]:
     """Tau pooled over the steps of each category's prompts, in order of first appearance; empty when the set has
     no categories. Pooled as the set's tau is: committed tokens over target forwards."""
-    committed: dict[str, int] = {}
-    steps: dict[str, int] = {}
+    totals: dict[str, list[int]] = {}  # category -> [committed, steps]
     for prompt in prompts:
         if prompt.category is not None:
-            committed[prompt.category] = committed.get(prompt.category, 0) + prompt.committed
-            steps[prompt.category] = steps.get(prompt.category, 0) + prompt.steps
-    return {category: committed[category] / steps[category] if steps[category] else 0.0 for category in committed}
+            total = totals.setdefault(prompt.category, [0, 0])
+            total[0] += prompt.committed
+            total[1] += prompt.steps
+    return {category: committed / steps if steps else 0.0 for category, (committed, steps) in totals.items()}
 
 
 def _lossless_summary(data: DatasetReport) -> str:

@@ -55,8 +55,7 @@ def load_mtbench(package_dir: Path, split: str, caps: Caps, tally: Tally) -> lis
         if not (isinstance(turns, list) and turns and isinstance(turns[0], str)):
             raise PromptSetError(f"{path}:{line_no}: field 'turns': expected a non-empty list of strings")
         question_id = record.get("question_id", line_no)
-        category = record.get("category")
-        prompts.append(user_prompt(f"mtbench-{question_id}", turns[0], category=category if category else None))
+        prompts.append(user_prompt(f"mtbench-{question_id}", turns[0], category=record.get("category") or None))
     tally.keep("mtbench", "all", len(prompts))
     return prompts
 
