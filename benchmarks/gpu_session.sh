@@ -9,16 +9,16 @@
 #
 # Stages (from the repo root on the GPU machine; the prepared folders each needs, copied in, in brackets):
 #   bash benchmarks/gpu_session.sh start     [.gguf1 .whl]   wheels, GGUF part 1, two copies of the tree
-#   CANDIDATE="k=v ..." bash benchmarks/gpu_session.sh main  [.gguf2 .mix]  GGUF part 2, the two jobs
+#   CANDIDATE="k=v ..." bash benchmarks/gpu_session.sh main  [.gguf2 .mixw]  GGUF part 2, the two jobs
 #   (MAIN_OVERRIDES="k=v ..." changes the GPU 0 job too, e.g. to try a recipe change there while GPU 1 sweeps)
 #   (then the export's latency evaluation at batch 1, 24 prompts per set, eager and compiled drafter, ~4 min;
 #   LATENCY_EVAL=0: none)
 #   (THEN_OVERRIDES="k=v ...": after it, on GPU 0 and on its answers, the same job with these overrides added, e.g.
 #   `drafter.fp8=true`: a comparison on one GPU and one set of answers; logged and collected as the candidate)
-#   (RECIPE=NAME: GPU 0 trains that recipe instead of the default, e.g. RECIPE=smollm2-135m-gpu-general with
-#   PROMPTS=/tmp/mix-general-writing-80k.jsonl.gz MAIN_OVERRIDES="prepare.shares={}", the recipe's prompts exported
-#   into `.mixw` (copied in instead of `.mix`) in the shares the recipe names, which apply to a named source only)
-#   (or SWEEP=1: benchmarks/quality_sweep.sh on GPU 1, one run at a time, on the main job's data; with
+#   (RECIPE=NAME: GPU 0 trains that recipe instead of the default, e.g. RECIPE=smollm2-135m-gpu-dflash2 with
+#   PROMPTS=/tmp/mix-math-48k.jsonl.gz, that recipe's prompts, copied in as `.mix` instead of `.mixw`)
+#   (or SWEEP=1: benchmarks/quality_sweep.sh on GPU 1, one run at a time, on the main job's data (the math-first
+#   recipe's: RECIPE=smollm2-135m-gpu PROMPTS=/tmp/mix-math-48k.jsonl.gz); with
 #   BENCH_FIRST=smollm2 (or paper,smollm2) GPU 1 first runs the speed benchmarks of `bench_on` below:
 #   benchmarks/train_bench.sh with the kernel profile and the latest ablations (BENCH_ABLATIONS=new; 0: none,
 #   1: all), the peer after the paper setting, then benchmarks/flex_mask_bench.py; on a one-GPU
@@ -50,16 +50,21 @@
 #                                                none; HYBRID_DOCUMENTS=real: its train phase on documents shaped
 #                                                like real data, per-document groups of many sizes)
 # The device has no internet and none of the data packages: the jobs read the GPU recipe's prompts (the first
-# 48,000 of `mix-math:train`) from `.mix/mix-math-48k.jsonl.gz`, written here by
+# 80,000 of `mix-general:train` in the recipe's shares) from `.mixw/mix-general-writing-80k.jsonl.gz`, written here by
+#   python -m dflash_trainer.data.prompts mix-general --export .mixw/mix-general-writing-80k.jsonl.gz --limit 80000 \
+#     --shares '{dialogue: 0.10, chat: 0.20, writing: 0.20, code: 0.20, math: 0.25, puzzle: 0.05}'
+# and every job gets `prepare.shares={}` with them (the file holds the shares already; they apply to a named
+# source only). The math-first recipes read `.mix/mix-math-48k.jsonl.gz`, written by
 #   python -m dflash_trainer.data.prompts mix-math --export .mix/mix-math-48k.jsonl.gz --limit 48000
 set -u
 STAGE=${1:?usage: gpu_session.sh start|answers|smoke|bench|main|wait S|collect|disagg|hybrid}
 REPO=/tmp/repo             # a copy of the tree: the main job's runs/ and data/ live here, as for a user
 REPO2=/tmp/repo2           # the candidate's copy
-# The prompts: the first 48,000 of `mix-math`; or its first 96,000 (`PROMPTS=/tmp/mix-math-96k.jsonl.gz`, copy `.mix96`
-# instead of `.mix`, with MAIN_OVERRIDES="prepare.limit=96000 data.train_shards=data/smollm2-135m-mathmix96k-256"):
-# the weighted order makes the 48K file the 96K file's prefix.
-PROMPTS=${PROMPTS:-/tmp/mix-math-48k.jsonl.gz}
+# The prompts: the default recipe's 80,000 of `mix-general`; for the math-first recipes the first 48,000 of `mix-math`
+# or its first 96,000 (`PROMPTS=/tmp/mix-math-96k.jsonl.gz`, copy `.mix96`, with MAIN_OVERRIDES="prepare.limit=96000
+# data.train_shards=data/smollm2-135m-mathmix96k-256"): the weighted order makes the 48K file the 96K file's prefix.
+PROMPTS=${PROMPTS:-/tmp/mix-general-writing-80k.jsonl.gz}
+SOURCE="prepare.source=$PROMPTS prepare.shares={}"   # the exported prompts, in their shares already
 RES=/tmp/results           # logs and JSON of every job
 SITE=/tmp/site
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -176,7 +181,7 @@ case "$STAGE" in
     fi
     # main.rc is the training's exit status; the latency evaluations run only after a training that succeeded.
     bg main "$first cd $REPO && export CUDA_VISIBLE_DEVICES=0 OMP_NUM_THREADS=8 PYTHONPATH=$REPO/src:$SITE && \
-      date +%s > $RES/main.start && python3 -m dflash_trainer train ${RECIPE:-} prepare.source=$PROMPTS ${MAIN_OVERRIDES:-}; \
+      date +%s > $RES/main.start && python3 -m dflash_trainer train ${RECIPE:-} $SOURCE ${MAIN_OVERRIDES:-}; \
       rc=\$?; date +%s > $RES/main.end; $latency (exit \$rc)"
     if [ -n "${THEN_OVERRIDES:-}" ]; then
       # After the main job (and its latency evaluation), on GPU 0 and on its answers: the same recipe and overrides
@@ -187,13 +192,13 @@ case "$STAGE" in
       bg candidate "(while [ ! -f $RES/main.rc ]; do sleep 10; done; [ \"\$(cat $RES/main.rc)\" = 0 ] || exit 3; \
         rm -rf $REPO2/data && cp -r $REPO/data $REPO2/ && cd $REPO2 && \
         export CUDA_VISIBLE_DEVICES=0 OMP_NUM_THREADS=8 PYTHONPATH=$REPO2/src:$SITE && date +%s > $RES/candidate.start && \
-        python3 -m dflash_trainer train ${RECIPE:-} prepare.source=$PROMPTS ${MAIN_OVERRIDES:-} $THEN_OVERRIDES; \
+        python3 -m dflash_trainer train ${RECIPE:-} $SOURCE ${MAIN_OVERRIDES:-} $THEN_OVERRIDES; \
         rc=\$?; date +%s > $RES/candidate.end; exit \$rc)"
       echo "started: main job on GPU 0, then on its answers the same with: $THEN_OVERRIDES"
     elif [ "$GPUS" -gt 1 ] && [ -n "${CANDIDATE:-}" ]; then
       echo "$CANDIDATE" > "$RES/candidate.overrides"
       bg candidate "cd $REPO2 && export CUDA_VISIBLE_DEVICES=1 OMP_NUM_THREADS=8 PYTHONPATH=$REPO2/src:$SITE && \
-        date +%s > $RES/candidate.start && python3 -m dflash_trainer train prepare.source=$PROMPTS $CANDIDATE; \
+        date +%s > $RES/candidate.start && python3 -m dflash_trainer train $SOURCE $CANDIDATE; \
         date +%s > $RES/candidate.end"
       echo "started: main job on GPU 0, candidate ($CANDIDATE) on GPU 1"
     elif [ "$GPUS" -gt 1 ] && [ "${SWEEP:-0}" = 1 ]; then

@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
-# The experiment sweep of benchmarks/EXPERIMENTS.md: short training runs of the GPU recipe that each change one
-# thing, on the main job's regenerated data, every one evaluated on held-out GSM8K (24 prompts x 256 tokens, the
-# exported drafter, lossless check). Same step count for every run, so the rows compare what a fixed compute budget
-# buys. One process at a time by default: on 2026-11-30 four at once starved each other's (and the main job's) batch
-# workers of host CPU (benchmarks/EXPERIMENTS.md #4).
+# The experiment sweep of benchmarks/EXPERIMENTS.md: short training runs of the math-first DFlash recipe
+# (`smollm2-135m-gpu`) that each change one thing, on that recipe's regenerated data (beside gpu_session.sh's main
+# job: give it RECIPE=smollm2-135m-gpu PROMPTS=/tmp/mix-math-48k.jsonl.gz), every one evaluated on held-out GSM8K (24
+# prompts x 256 tokens, the exported drafter, lossless check). Same step count for every run, so the rows compare what
+# a fixed compute budget buys. One process at a time by default: on 2026-11-30 four at once starved each other's (and
+# the main job's) batch workers of host CPU (benchmarks/EXPERIMENTS.md #4).
 #
 # Env: SWEEP_GPU (default 0), GPUS (1: wait for the main job to end first), RES (results folder), STEPS (default
 # 600: about 3 minutes a row on an H200), WAVE (processes at once, default 1), MAIN (the main job's repo copy,

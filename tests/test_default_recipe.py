@@ -10,7 +10,7 @@ from dflash_trainer import cli, launch
 @pytest.mark.parametrize(
     ("cuda", "recipe", "first_words"),
     [
-        (True, "smollm2-135m-gpu", "no recipe given and a CUDA device is present"),
+        (True, "smollm2-135m-gpu-general", "no recipe given and a CUDA device is present"),
         (False, "smollm2-135m", "no recipe given and no CUDA device"),
     ],
 )

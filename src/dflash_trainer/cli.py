@@ -26,7 +26,7 @@ from .errors import UserError, describe_interrupt, is_storage_error, storage_err
 RECIPES_DIR = Path(__file__).resolve().parents[2] / "recipes"
 DEFAULT_RECIPE = "smollm2-135m"
 # What `train` runs without a recipe on a machine with a CUDA device.
-DEFAULT_GPU_RECIPE = "smollm2-135m-gpu"
+DEFAULT_GPU_RECIPE = "smollm2-135m-gpu-general"
 DEFAULT_BENCH_RECIPE = "bench-qwen3-8b"
 # `plot RUN_DIR RUN_DIR ...` writes its overlays here unless --out says otherwise.
 COMPARE_PLOTS_DIR = "compare-plots"
