@@ -198,7 +198,7 @@ case "$STAGE" in
     elif [ "$GPUS" -gt 1 ] && [ -n "${CANDIDATE:-}" ]; then
       echo "$CANDIDATE" > "$RES/candidate.overrides"
       bg candidate "cd $REPO2 && export CUDA_VISIBLE_DEVICES=1 OMP_NUM_THREADS=8 PYTHONPATH=$REPO2/src:$SITE && \
-        date +%s > $RES/candidate.start && python3 -m dflash_trainer train $SOURCE $CANDIDATE; \
+        date +%s > $RES/candidate.start && python3 -m dflash_trainer train ${RECIPE:-} $SOURCE $CANDIDATE; \
         date +%s > $RES/candidate.end"
       echo "started: main job on GPU 0, candidate ($CANDIDATE) on GPU 1"
     elif [ "$GPUS" -gt 1 ] && [ "${SWEEP:-0}" = 1 ]; then

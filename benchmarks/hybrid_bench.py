@@ -28,8 +28,8 @@ Phases (each child):
   layer 61, median of timed calls: target tokens/s, on the path the target takes (with fla on CUDA the one-forward
   path, `targets/varlen_hybrid.py`) and on the per-document path (every document a row of its own);
 - `train`: the trainer's end-to-end step in the paper setting (`recipes/bench-qwen3-8b.yaml`: drafter 5 layers, block
-  16, 455 anchors per document; `--documents real`: rows of about 33 documents shaped like the GPU recipe's data
-  instead, whose per-document groups take many sizes, and fla's gate cumsum compiles once per size: see
+  16, 455 anchors per document; `--documents real`: rows of about 33 documents shaped like the math-first GPU
+  recipe's data instead, whose per-document groups take many sizes, and fla's gate cumsum compiles once per size: see
   `targets/per_document.py`; the timed steps' Triton kernel counts show whether those compiles make the slow steps)
   with data labels (the LM head is not needed, so the target stops after the deepest tap) through `bench.time_steps`:
   step time min / median / max over the timed steps, and each timed step with the frames dynamo compiled in it and the
@@ -773,8 +773,8 @@ def main(argv: list[str]) -> int:
         "--documents",
         default="paper",
         choices=["paper", "real"],
-        help="the train phase's documents: 3072 + 3072 + 2048 per row, or shaped like the GPU recipe's data (about "
-        "33 of 30-488 tokens per 8192-token row: per-document groups of many sizes)",
+        help="the train phase's documents: 3072 + 3072 + 2048 per row, or shaped like the math-first GPU recipe's "
+        "data (about 33 of 30-488 tokens per 8192-token row: per-document groups of many sizes)",
     )
     parser.add_argument("--child", choices=["fla", "torch"], help=argparse.SUPPRESS)
     parser.add_argument("--child-out", type=Path, help=argparse.SUPPRESS)

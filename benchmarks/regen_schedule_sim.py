@@ -2,7 +2,7 @@
 
     python benchmarks/regen_schedule_sim.py .mix/mix-math-48k.jsonl.gz [--rows 1024] [--refill-min 128]
 
-The GPU main job's prompts (`python -m dflash_trainer.data.prompts mix-math --export ... --limit 48000`) as
+The math-first GPU recipe's prompts (`python -m dflash_trainer.data.prompts mix-math --export ... --limit 48000`) as
 conversations of 1 to 8 assistant turns. A turn's prompt length is estimated from its characters (4 per token, plus
 the chat template's tokens and the earlier replies), its reply length drawn to match the 2026-12-01 main job (mean
 ~113 tokens, 27.7 % cut at 256). `rows` rows decode one token per step; at least `refill_min` free rows (or all

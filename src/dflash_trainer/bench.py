@@ -5,8 +5,8 @@ weights are needed: Qwen3-8B's shape (the paper's setting, `recipes/bench-qwen3-
 names SmolLM2, SmolLM2-135M's (Llama: hidden 576, 30 layers, 9 heads, 3 KV heads, intermediate 1536,
 vocab 49152, tied embeddings; `recipes/bench-smollm2.yaml`). Documents of random tokens are packed into rows by
 the normal sampler: the paper's fixed 3072 + 3072 + 2048 fully supervised documents, or for SmolLM2 documents shaped
-like the GPU recipe's regenerated data (an unsupervised prompt of 30-232 tokens, a reply of 4-114 tokens or cut at
-256; `smollm2_documents`).
+like the math-first GPU recipe's regenerated data (an unsupervised prompt of 30-232 tokens, a reply of 4-114 tokens
+or cut at 256; `smollm2_documents`).
 
 Phases, each through the trainer's own step (`Trainer._optimizer_step`):
 - drafter_only: the target features of one batch are computed once and replayed (what a disaggregated drafter
@@ -169,10 +169,10 @@ def paper_documents(rng: np.random.Generator) -> list[tuple[int, int]]:
 
 
 def smollm2_documents(rng: np.random.Generator) -> list[tuple[int, int]]:
-    """About 66 documents (one 16K-token step) shaped like the GPU recipe's regenerated data (measured 2026-12-01:
-    47,066 samples of 248 tokens on average, 117 of them supervised; 28 % of the replies cut at 256 new tokens, the
-    rest 59 tokens on average): a prompt of 30-232 tokens (chat template included), then a reply of 256 tokens for
-    28 % of the documents and of 4-114 tokens otherwise."""
+    """About 66 documents (one 16K-token step) shaped like the math-first GPU recipe's regenerated data (measured
+    2026-12-01: 47,066 samples of 248 tokens on average, 117 of them supervised; 28 % of the replies cut at 256 new
+    tokens, the rest 59 tokens on average): a prompt of 30-232 tokens (chat template included), then a reply of 256
+    tokens for 28 % of the documents and of 4-114 tokens otherwise."""
     docs = []
     for _ in range(66):
         prompt = int(rng.integers(30, 233))

@@ -338,8 +338,8 @@ def generation_prompt_ids(
 ) -> list[list[int]]:
     """Token ids of each conversation rendered with the chat template and the assistant generation prompt: what the
     target reads before it answers (regeneration, evaluation). Tokenised as training data is (no extra special
-    tokens), in one encode call: the Rust tokenizer spreads a batch over the cores (the GPU recipe's 48,000 first
-    turns on 2 cores: 21 s one call per prompt, 11 s in calls of 1,024)."""
+    tokens), in one encode call: the Rust tokenizer spreads a batch over the cores (the math-first GPU recipe's 48,000
+    first turns on 2 cores: 21 s one call per prompt, 11 s in calls of 1,024)."""
     texts = [_render(tokenizer, list(messages), add_generation_prompt=True) for messages in conversations]
     return [list(ids) for ids in tokenizer(texts, add_special_tokens=False)["input_ids"]]
 

@@ -11,7 +11,7 @@ over `batch_size` cache rows, a conversation's next turn queued as soon as its p
 speaking the OpenAI chat completions API (`engine="openai"`, `endpoint.py`), e.g. vLLM or SGLang serving the target.
 Waiting prompts are served shortest first, except that the turns of multi-turn conversations come before every
 single-turn prompt (most turns left first): a chain of k turns needs k replies one after another, and served last,
-as their growing prompts were, chains run in waves at the end with rows idle. For the GPU main job's 48K prompts
+as their growing prompts were, chains run in waves at the end with rows idle. For the math-first recipe's 48K prompts
 (1,882 conversations of 2 to 8 turns) on 1,024 rows a turn-level model counts 8-12 % fewer decode steps (rows busy
 82-85 -> 92 %) and 1-4 % less attended context (`benchmarks/regen_schedule_sim.py`, two seeds); not yet measured on
 a GPU.
