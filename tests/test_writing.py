@@ -7,6 +7,7 @@ prefixes are pinned in `test_mixture.py`, marked slow).
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import os
 import re
@@ -175,6 +176,19 @@ def test_no_prompt_overlaps_an_evaluation_set_as_the_mixture_matches_them(compos
 
 # ----------------------------------------------------------------------------------------------------------
 # Registration, category and mixture
+
+
+def test_writing_needs_no_distribution_metadata(monkeypatch):
+    """Run from a checkout (`PYTHONPATH=src`) there is no installed `dflash-trainer` to ask for its version; the
+    `writing` set is the running code, so building a mixture must not warn that its package differs from the pin."""
+
+    def not_installed(name):
+        raise importlib.metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(importlib.metadata, "version", not_installed)
+    package = prompts.PROMPT_SETS["writing"].package
+    assert package.installed_version() == package.version
+    assert prompts.PROMPT_SETS["gsm8k"].package.installed_version() is None  # a data package still asks pip
 
 
 def test_writing_is_a_builtin_set_of_its_own_category(composed):

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from dflash_trainer import __version__
 from dflash_trainer.errors import UserError
 
 if TYPE_CHECKING:  # not at run time: chat.py imports transformers, which these loaders do not need
@@ -70,6 +71,10 @@ class PackageData:
         return Path(next(iter(spec.submodule_search_locations)))
 
     def installed_version(self) -> str | None:
+        # This project's own data (the `writing` set) is the running code, whether installed or run from a checkout
+        # (`PYTHONPATH=src`, where no distribution metadata exists): its version is the code's.
+        if self.module == __name__.split(".")[0]:
+            return __version__
         try:
             return importlib.metadata.version(self.package)
         except importlib.metadata.PackageNotFoundError:
