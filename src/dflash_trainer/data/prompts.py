@@ -323,10 +323,8 @@ def load_mixture(
     spec, size = MIXTURES[name]
     shares = [PROMPT_SETS[share.set_name] for share in spec.shares]
     evaluation = [PROMPT_SETS[set_name] for set_name, _ in mixture.EVALUATION_SETS]
-    versions = {s.package.package: s.package.installed_version() for s in [*shares, *evaluation]}
-    sources_dir = Path(__file__).parent / "sources"
-    code = [Path(mixture.__file__), *sources_dir.glob("*.py")]
-    path = mixture.cache_dir() / f"{spec.name}-{mixture.cache_key(spec, versions, code)}.jsonl.gz"
+    versions = _package_versions(spec)
+    path = _cache_path(spec, versions)
     cached = _loaded.get(path) or mixture.read_cache(path)
     if cached is None:
         # Every package must be there before a long build starts (each raises naming what to install).
@@ -352,6 +350,57 @@ def load_mixture(
             prompts, lambda prompt: categories.category_of(prompt.id), category_shares or _SHARED[name]
         )
     return (list(prompts) if size is None else prompts[:size]), summary
+
+
+def _package_versions(spec: mixture.MixtureSpec) -> dict[str, str | None]:
+    """The installed versions of the packages a mixture reads: its shares' and the evaluation sets'."""
+    names = [*(share.set_name for share in spec.shares), *(set_name for set_name, _ in mixture.EVALUATION_SETS)]
+    return {PROMPT_SETS[n].package.package: PROMPT_SETS[n].package.installed_version() for n in names}
+
+
+def _cache_path(spec: mixture.MixtureSpec, versions: dict[str, str | None]) -> Path:
+    """Where the mixture that this code and these package versions build is cached."""
+    code = [Path(mixture.__file__), *(Path(__file__).parent / "sources").glob("*.py")]
+    return mixture.cache_dir() / f"{spec.name}-{mixture.cache_key(spec, versions, code)}.jsonl.gz"
+
+
+def contributing_sets(name: str, limit: int | None = None, shares: dict[str, float] | None = None) -> list[str]:
+    """The built-in sets of mixture `name` that can give prompts to its first `limit` (all: None) under category
+    `shares` (its defaults when None or empty), in the mixture's order; for a set that is no mixture, `[name]`.
+
+    Only a mixture ordered by category shares (`_SHARED`) leaves a set out, and only when that is certain: category
+    shares never remove a prompt, they order them (`mixture.stratify`), so the prompts of categories without a share
+    follow all the others, and a set all of whose prompts are of such categories gives prompts exactly when its
+    mixture's first N go past the prompts of the shared categories. How many those are is read from the summary of
+    the mixture's cache (what this code and the installed packages build; a small first line, never the mixture
+    itself); without it every set is kept, since a listed set that gave nothing is better than a missing licence.
+    A set's categories are those that `categories.category_of` gives its prompts, by the summary's sub-tasks.
+    """
+    if name not in MIXTURES:
+        return [name]
+    spec, size = MIXTURES[name]
+    set_names = [share.set_name for share in spec.shares]
+    cap = min((n for n in (size, limit) if n is not None), default=None)
+    if name not in _SHARED or cap is None:
+        return set_names
+    summary = mixture.read_summary(_cache_path(spec, _package_versions(spec)))
+    if summary is None:
+        return set_names
+    shared = {category for category, share in (shares or _SHARED[name]).items() if share > 0}
+    counts = _category_counts(summary)
+    shared_prompts = sum(n for (_, category), n in counts.items() if category in shared)
+    feeding = {set_name for (set_name, category), n in counts.items() if category in shared and n > 0}
+    return [set_name for set_name in set_names if set_name in feeding or cap > shared_prompts]
+
+
+def _category_counts(summary: mixture.MixtureSummary) -> Counter[tuple[str, str]]:
+    """Prompts in the mixture per (set, category): each sub-task's count under the category `category_of` gives it
+    (a share's prompt ids are `<set>:<task>:<index>`, or `gsm8k-<index>`, whose category is the set's alone)."""
+    counts: Counter[tuple[str, str]] = Counter()
+    for row in summary.rows:
+        for task, n in row.final_by_task.items():
+            counts[row.set_name, categories.category_of(f"{row.set_name}:{task}:0")] += n
+    return counts
 
 
 def _load_builtin(name: str, split: str, caps: Caps, tally: Tally) -> list[Prompt]:
