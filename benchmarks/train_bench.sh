@@ -19,10 +19,17 @@ nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$OUT/gpu.t
 
 SMOLLM2_ABLATIONS=()
 PAPER_ABLATIONS=()
-# Changes since the last measurement (2026-12-01), each against the baseline phase: sorted-by-anchors batches
-# (unbalanced = before), the target's layers compiled, Inductor's autotuned kernels, flex tiles of 64 (which need
-# the autotuned kernels).
+# Not yet measured, each against the baseline phase (DFlash, loss chunks of 128 blocks): the main job's DFlash2
+# drafter, then with loss chunks of 512 blocks (BENCHMARKS.md, 2026-12-04: the 24 chunks of 128 leave the GPU idle
+# 27 % of the DFlash2 step, the host launching them).
 NEW_ABLATIONS=(
+  --ablation "dflash2:drafter.algorithm=dflash2"
+  --ablation "dflash2_chunks512:drafter.algorithm=dflash2,loss.chunk_blocks=512"
+)
+# In the full list (ABLATIONS=1), their one run lost before it printed (BENCHMARKS.md, 2026-12-01): sorted-by-anchors
+# batches (unbalanced = before), the target's layers compiled, Inductor's autotuned kernels, flex tiles of 64 (which
+# need the autotuned kernels).
+EARLIER_ABLATIONS=(
   --ablation "unbalanced:data.balance_anchors=false"
   --ablation "target_compiled:target.compile=true"
   --ablation "autotune:drafter.compile_mode=max-autotune-no-cudagraphs"
@@ -48,7 +55,7 @@ if [ "${ABLATIONS:-1}" = new ]; then
   SMOLLM2_ABLATIONS=("${NEW_ABLATIONS[@]}")
   PAPER_ABLATIONS=("${NEW_PAPER_ABLATIONS[@]}")
 elif [ "${ABLATIONS:-1}" != 0 ]; then
-  SMOLLM2_ABLATIONS=("${NEW_ABLATIONS[@]}"
+  SMOLLM2_ABLATIONS=("${NEW_ABLATIONS[@]}" "${EARLIER_ABLATIONS[@]}"
 
     --ablation "no_prefetch:data.prefetch_steps=0"
     --ablation "mask_mod_builder:drafter.mask_builder=mask_mod"
