@@ -37,13 +37,14 @@ def test_the_main_job_command_runs_and_reports_the_training_status(tmp_path, tra
     # The trainer's last line names the export (train/pipeline.py); an evaluation just says what it was asked.
     fake_python.write_text(
         "#!/bin/sh\n"
-        'case "$*" in *" train "*) echo "exported drafter (vLLM / SGLang format): runs/a b/export"; '
+        'case "$*" in *" train "*) echo "TRAIN $*"; echo "exported drafter (vLLM / SGLang format): runs/a b/export"; '
         f'exit {train_rc};; *) echo "EVAL $*";; esac\n'
     )
     fake_python.chmod(0o755)
     harness = f"""
 set -u
 RES={tmp_path} REPO={tmp_path} SITE=/nowhere PROMPTS=/nowhere.jsonl.gz first="" LATENCY_EVAL={latency}
+SOURCE="prepare.source=$PROMPTS prepare.shares={{}}"
 export PATH={fake_python.parent}:$PATH
 bg() {{ local name=$1; shift; bash -c "{{ $*; }} > $RES/$name.log 2>&1; echo \\$? > $RES/$name.rc"; }}
 {_main_job_block()}
@@ -52,6 +53,10 @@ bg() {{ local name=$1; shift; bash -c "{{ $*; }} > $RES/$name.log 2>&1; echo \\$
     assert (tmp_path / "main.rc").read_text().strip() == str(train_rc)
     assert (tmp_path / "main.end").is_file()
     log = (tmp_path / "main.log").read_text().splitlines()
+    # The exported prompts hold the recipe's category shares already: the job must not apply them again.
+    assert [line for line in log if line.startswith("TRAIN")] == [
+        "TRAIN -m dflash_trainer train prepare.source=/nowhere.jsonl.gz prepare.shares={}"
+    ]
     runs = [line for line in log if line.startswith("EVAL")]
     assert [line.split("--out ")[1].split()[0].rsplit("/", 1)[1] for line in runs] == evals
     for line in runs:  # the export's path whole, one prompt at a time, the drafter compiled as eval's default has it
