@@ -9,14 +9,14 @@
 #
 # Stages (from the repo root on the GPU machine; the prepared folders each needs, copied in, in brackets):
 #   bash benchmarks/gpu_session.sh start     [.gguf1 .whl]   wheels, GGUF part 1, two copies of the tree
-#   CANDIDATE="k=v ..." bash benchmarks/gpu_session.sh main  [.gguf2 .mixw]  GGUF part 2, the two jobs
+#   CANDIDATE="k=v ..." bash benchmarks/gpu_session.sh main  [.gguf2 .mixw2]  GGUF part 2, the two jobs
 #   (MAIN_OVERRIDES="k=v ..." changes the GPU 0 job too, e.g. to try a recipe change there while GPU 1 sweeps)
 #   (then the export's latency evaluation at batch 1, 24 prompts per set, eager and compiled drafter, ~4 min;
 #   LATENCY_EVAL=0: none)
 #   (THEN_OVERRIDES="k=v ...": after it, on GPU 0 and on its answers, the same job with these overrides added, e.g.
 #   `drafter.fp8=true`: a comparison on one GPU and one set of answers; logged and collected as the candidate)
 #   (RECIPE=NAME: GPU 0 trains that recipe instead of the default, e.g. RECIPE=smollm2-135m-gpu-dflash2 with
-#   PROMPTS=/tmp/mix-math-48k.jsonl.gz, that recipe's prompts, copied in as `.mix` instead of `.mixw`)
+#   PROMPTS=/tmp/mix-math-48k.jsonl.gz, that recipe's prompts, copied in as `.mix` instead of `.mixw2`)
 #   (or SWEEP=1: benchmarks/quality_sweep.sh on GPU 1, one run at a time, on the main job's data (the math-first
 #   recipe's: RECIPE=smollm2-135m-gpu PROMPTS=/tmp/mix-math-48k.jsonl.gz); with
 #   BENCH_FIRST=smollm2 (or paper,smollm2) GPU 1 first runs the speed benchmarks of `bench_on` below:
@@ -50,9 +50,9 @@
 #                                                none; HYBRID_DOCUMENTS=real: its train phase on documents shaped
 #                                                like real data, per-document groups of many sizes)
 # The device has no internet and none of the data packages: the jobs read the GPU recipe's prompts (the first
-# 80,000 of `mix-general:train` in the recipe's shares) from `.mixw/mix-general-writing-80k.jsonl.gz`, written here by
-#   python -m dflash_trainer.data.prompts mix-general --export .mixw/mix-general-writing-80k.jsonl.gz --limit 80000 \
-#     --shares '{dialogue: 0.10, chat: 0.20, writing: 0.20, code: 0.20, math: 0.25, puzzle: 0.05}'
+# 80,000 of `mix-general:train` in the recipe's shares) from `.mixw2/mix-general-w30-80k.jsonl.gz`, written here by
+#   python -m dflash_trainer.data.prompts mix-general --export .mixw2/mix-general-w30-80k.jsonl.gz --limit 80000 \
+#     --shares '{dialogue: 0.10, chat: 0.20, writing: 0.30, code: 0.15, math: 0.20, puzzle: 0.05}'
 # and every job gets `prepare.shares={}` with them (the file holds the shares already; they apply to a named
 # source only). The math-first recipes read `.mix/mix-math-48k.jsonl.gz`, written by
 #   python -m dflash_trainer.data.prompts mix-math --export .mix/mix-math-48k.jsonl.gz --limit 48000
@@ -63,7 +63,7 @@ REPO2=/tmp/repo2           # the candidate's copy
 # The prompts: the default recipe's 80,000 of `mix-general`; for the math-first recipes the first 48,000 of `mix-math`
 # or its first 96,000 (`PROMPTS=/tmp/mix-math-96k.jsonl.gz`, copy `.mix96`, with MAIN_OVERRIDES="prepare.limit=96000
 # data.train_shards=data/smollm2-135m-mathmix96k-256"): the weighted order makes the 48K file the 96K file's prefix.
-PROMPTS=${PROMPTS:-/tmp/mix-general-writing-80k.jsonl.gz}
+PROMPTS=${PROMPTS:-/tmp/mix-general-w30-80k.jsonl.gz}
 SOURCE="prepare.source=$PROMPTS prepare.shares={}"   # the exported prompts, in their shares already
 RES=/tmp/results           # logs and JSON of every job
 SITE=/tmp/site

@@ -19,10 +19,14 @@ nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$OUT/gpu.t
 
 SMOLLM2_ABLATIONS=()
 PAPER_ABLATIONS=()
-# Not yet measured, each against the baseline phase (DFlash, loss chunks of 128 blocks): the main job's DFlash2
-# drafter, then with loss chunks of 512 blocks (BENCHMARKS.md, 2026-12-04: the 24 chunks of 128 leave the GPU idle
-# 27 % of the DFlash2 step, the host launching them).
+# Not yet measured, against the baseline phase (DFlash, loss chunks of 128 blocks): DFlash's step with the loss in
+# chunks of 512 blocks, as DFlash2's recipes now take it (BENCHMARKS.md, 2026-12-04: the DFlash2 step went from 123.6
+# to 86.2 ms, its loss stage from 45 to 26 ms: with 128 the host launching the chunks bound it).
 NEW_ABLATIONS=(
+  --ablation "chunks512:loss.chunk_blocks=512"
+)
+# Measured on 2026-12-04 (BENCHMARKS.md), in the full list: the DFlash2 drafter, then with loss chunks of 512 blocks.
+MEASURED_ABLATIONS=(
   --ablation "dflash2:drafter.algorithm=dflash2"
   --ablation "dflash2_chunks512:drafter.algorithm=dflash2,loss.chunk_blocks=512"
 )
@@ -55,7 +59,7 @@ if [ "${ABLATIONS:-1}" = new ]; then
   SMOLLM2_ABLATIONS=("${NEW_ABLATIONS[@]}")
   PAPER_ABLATIONS=("${NEW_PAPER_ABLATIONS[@]}")
 elif [ "${ABLATIONS:-1}" != 0 ]; then
-  SMOLLM2_ABLATIONS=("${NEW_ABLATIONS[@]}" "${EARLIER_ABLATIONS[@]}"
+  SMOLLM2_ABLATIONS=("${NEW_ABLATIONS[@]}" "${MEASURED_ABLATIONS[@]}" "${EARLIER_ABLATIONS[@]}"
 
     --ablation "no_prefetch:data.prefetch_steps=0"
     --ablation "mask_mod_builder:drafter.mask_builder=mask_mod"
