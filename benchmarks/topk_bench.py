@@ -2,12 +2,14 @@
 
 Run from the repository root on the GPU machine (seconds on one H200):
 
-    PYTHONPATH=src python3 benchmarks/topk_bench.py [--rows 1920] [--vocab 49152] [--k 16] [--chunks 26]
+    PYTHONPATH=src python3 benchmarks/topk_bench.py [--rows 7680] [--vocab 49152] [--k 16] [--chunks 7]
 
 Why: the DFlash2 loss takes each slot's top-16 logits as the selector's candidates (`model/loss.py::top_k_ids`), one
-row of the vocabulary per slot. At the SmolLM2 main job's block 16 that is 26 chunks of 128 blocks x 15 slots = 1,920
-rows of 49,152 bf16 logits per chunk (~4.9 GB of logits per step). One `torch.topk` over the row runs a multi-pass
-radix select: 20.0 ms per step on an H200 (2026-12-04), 245 GB/s against the 4.8 TB/s of one read.
+row of the vocabulary per slot. At the SmolLM2 main job's block 16 a step holds about 50K such rows of 49,152 bf16
+logits (~4.9 GB): 7 chunks of 512 blocks x 15 slots = 7,680 rows since the recipes took chunks of 512 (2026-12-04);
+26 chunks of 1,920 rows (128 blocks) when the numbers below were measured (`--rows 1920 --chunks 26`). One
+`torch.topk` over the row runs a multi-pass radix select: 20.0 ms per step on an H200 (2026-12-04), 245 GB/s
+against the 4.8 TB/s of one read.
 
 The candidates timed here, all exact (the same k values as `torch.topk`; the same set of ids wherever no two logits
 tie at the k-th value): `group-max` per group size g (`model/loss.py::top_k_ids_by_group_max`, on CUDA at
@@ -69,10 +71,10 @@ def same_values(logits: Tensor, ids: Tensor, reference: Tensor) -> bool:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--rows", type=int, default=1920, help="slots per loss chunk (128 blocks x 15 slots)")
+    parser.add_argument("--rows", type=int, default=7680, help="slots per loss chunk (512 blocks x 15 slots)")
     parser.add_argument("--vocab", type=int, default=49152)
     parser.add_argument("--k", type=int, default=16)
-    parser.add_argument("--chunks", type=int, default=26, help="loss chunks per step")
+    parser.add_argument("--chunks", type=int, default=7, help="loss chunks per step")
     parser.add_argument("--repeats", type=int, default=20)
     args = parser.parse_args()
     forms = candidates(args.vocab, args.k)
