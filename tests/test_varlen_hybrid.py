@@ -101,8 +101,10 @@ def test_rows_of_one_document_take_the_same_path_with_a_segment_per_row(tiny_qwe
 
     rows = capture.capture(input_ids)
 
-    torch.testing.assert_close(rows.features, expected.features, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(rows.final_hidden, expected.final_hidden, rtol=1e-5, atol=1e-5)
+    # The tolerance of every packed-against-alone comparison (float32): the one row of segments and the batch of
+    # rows reach the same sums in another order (1e-5 failed once on 2 cores: 1.03e-5 at one element of 5,376).
+    torch.testing.assert_close(rows.features, expected.features, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(rows.final_hidden, expected.final_hidden, rtol=1e-4, atol=1e-4)
     assert reference_kernels == {"conv": 2, "chunk": 2}  # one forward over the rows as segments, not a plain one
 
 
