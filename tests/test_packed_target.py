@@ -334,20 +334,23 @@ def test_document_attention_only_runs_inside_a_packed_forward(tiny_qwen3):
         document_attention(attention, q, k, v, None, packed_attention=packed, s_aux=torch.zeros(4))
 
 
-def test_compiled_layers_capture_what_eager_layers_capture_without_recompiling(tiny_sliding_qwen3, monkeypatch):
+@pytest.mark.parametrize("model_name", ["tiny_sliding_qwen3", "tiny_llama"])
+def test_compiled_layers_capture_what_eager_layers_capture_without_recompiling(model_name, request, monkeypatch):
     """`compile_layers=True` (here dynamo with the aot_eager backend: the same tracing and guards as on a GPU,
     without Inductor; packed rows on the CPU's dense backend): the same features and final states as the eager
-    layers, for plain and packed rows of two shapes; the six layers (two window kinds) share compiled code, no
-    graph break, no recompile per shape; the model is left as loaded."""
+    layers, for plain and packed rows of two shapes; the six layers (two window kinds for the sliding Qwen3; Llama,
+    SmolLM2's architecture, one) share compiled code, no graph break, no recompile per shape; the model is left as
+    loaded."""
     from torch._dynamo.utils import counters
 
     from dflash_trainer.targets import capture as capture_module
 
+    model = request.getfixturevalue(model_name)
     torch._dynamo.reset()
     counters.clear()
     monkeypatch.setattr(capture_module, "compile_layer_forward", lambda fn: compile_dynamic(fn, backend="aot_eager"))
-    eager = FeatureCapture(tiny_sliding_qwen3, [1, 4], True, packed_attention="dense")
-    compiled_capture = FeatureCapture(tiny_sliding_qwen3, [1, 4], True, packed_attention="dense", compile_layers=True)
+    eager = FeatureCapture(model, [1, 4], True, packed_attention="dense")
+    compiled_capture = FeatureCapture(model, [1, 4], True, packed_attention="dense", compile_layers=True)
     batches = [packed_batch(LENGTHS, WIDTH), packed_batch([[7, 9], [16], [4, 4, 4, 4]], 16, seed=1)]
     for input_ids, doc_ids, _ in batches:
         for rows in (doc_ids, None):  # packed rows, and rows of one document each
@@ -358,4 +361,4 @@ def test_compiled_layers_capture_what_eager_layers_capture_without_recompiling(t
     assert not counters["graph_break"], dict(counters["graph_break"])
     # One graph per layer kind (full, sliding) and row kind (packed, plain), whatever the shapes and layer count.
     assert counters["stats"]["unique_graphs"] <= 4, dict(counters["stats"])
-    assert all("forward" not in vars(layer) for layer in tiny_sliding_qwen3.model.layers)
+    assert all("forward" not in vars(layer) for layer in model.model.layers)
