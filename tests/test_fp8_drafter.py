@@ -280,16 +280,17 @@ def test_the_compiled_quantisers_stay_within_dynamos_recompile_limit(monkeypatch
     `nn.Parameter`s and detached, contiguous and transposed; eager and compiled callers; two token counts) runs
     compiled: none of the quantisers reaches dynamo's recompile limit, past which it would run eagerly."""
     monkeypatch.setattr(fp8, "compiled_quantisers_on", lambda device: True)
-    monkeypatch.setattr(torch._dynamo.config, "fail_on_recompile_limit_hit", True)
     torch._dynamo.reset()
-    compiled = torch.compile(_stacked_linears, dynamic=True, backend="inductor")
-    for scaling in ("tensorwise", "rowwise"):
-        _stacked_grads(_stacked_linears, scaling)  # eager callers
-        _stacked_grads(compiled, scaling)
-        layer = Fp8TrainingLinear(nn.Linear(64, 32), rowwise=scaling == "rowwise")  # a Parameter weight
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            layer(torch.randn(48, 64, requires_grad=True)).float().sum().backward()
-        assert layer.weight.grad.abs().sum() > 0
+    # The config's own patch: monkeypatch's undo deletes a torch config key (torch 2.13), breaking later compiles.
+    with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True):
+        compiled = torch.compile(_stacked_linears, dynamic=True, backend="inductor")
+        for scaling in ("tensorwise", "rowwise"):
+            _stacked_grads(_stacked_linears, scaling)  # eager callers
+            _stacked_grads(compiled, scaling)
+            layer = Fp8TrainingLinear(nn.Linear(64, 32), rowwise=scaling == "rowwise")  # a Parameter weight
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                layer(torch.randn(48, 64, requires_grad=True)).float().sum().backward()
+            assert layer.weight.grad.abs().sum() > 0
     torch._dynamo.reset()
 
 
