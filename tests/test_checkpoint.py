@@ -151,18 +151,19 @@ class _Payload:
         return (Path.write_text, (Path(os.environ["DFLASH_TEST_MARKER"]), "pwned"))
 
 
-def plant_pickle(checkpoint: Path, marker: Path) -> None:
+def plant_pickle(checkpoint: Path, marker: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A crafted trainer.pt: unpickling it writes `marker`."""
     checkpoint.mkdir(parents=True)
-    os.environ["DFLASH_TEST_MARKER"] = str(marker)
+    # Through monkeypatch: the variable must not outlive the test (later tests and their subprocesses inherit it).
+    monkeypatch.setenv("DFLASH_TEST_MARKER", str(marker))
     (checkpoint / "trainer.pt").write_bytes(pickle.dumps({"step": _Payload()}, protocol=2))
     for name in ("drafter.safetensors", "drafter_config.json", "config.yaml"):
         (checkpoint / name).write_text("")
 
 
-def test_a_crafted_pickle_in_the_run_dir_is_refused_and_never_run(tmp_path):
+def test_a_crafted_pickle_in_the_run_dir_is_refused_and_never_run(tmp_path, monkeypatch):
     run_dir, marker = tmp_path / "run", tmp_path / "marker"
-    plant_pickle(ckpt.checkpoint_dir(run_dir) / "step-00000005", marker)
+    plant_pickle(ckpt.checkpoint_dir(run_dir) / "step-00000005", marker, monkeypatch)
     config = load_config(None, [f"run_dir={run_dir}"])
     model_config = tiny_drafter_config()
     with pytest.raises(ckpt.LegacyCheckpointError, match=r"pickle file, which can run arbitrary code") as caught:
@@ -176,11 +177,11 @@ def test_a_crafted_pickle_in_the_run_dir_is_refused_and_never_run(tmp_path):
     assert not marker.exists()
 
 
-def test_export_and_eval_still_read_the_drafter_of_a_legacy_checkpoint(tmp_path):
+def test_export_and_eval_still_read_the_drafter_of_a_legacy_checkpoint(tmp_path, monkeypatch):
     from dflash_trainer.train.pipeline import resolve_checkpoint
 
     run_dir = tmp_path / "run"
-    plant_pickle(ckpt.checkpoint_dir(run_dir) / "step-00000005", tmp_path / "marker")
+    plant_pickle(ckpt.checkpoint_dir(run_dir) / "step-00000005", tmp_path / "marker", monkeypatch)
     assert resolve_checkpoint(run_dir).name == "step-00000005"  # drafter files only; trainer.pt is never read
     assert not (tmp_path / "marker").exists()
 

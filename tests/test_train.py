@@ -115,8 +115,8 @@ def test_soft_labels_per_position_train_as_per_slot(tmp_path, shards, monkeypatc
     assert losses[0] == pytest.approx(losses[1], rel=1e-5)
 
 
-def run_cli(recipe: Path, *extra: str) -> subprocess.Popen:
-    env = {**os.environ, "PYTHONPATH": str(SRC), "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+def run_cli(recipe: Path, *extra: str, extra_env: dict[str, str] | None = None) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONPATH": str(SRC), "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", **(extra_env or {})}
     return subprocess.Popen(
         [sys.executable, "-m", "dflash_trainer", "train", str(recipe), *extra],
         env=env,
@@ -136,7 +136,9 @@ def test_sigterm_then_resume_reproduces_the_uninterrupted_run(tmp_path, shards):
     out, _ = proc.communicate(timeout=300)
     assert proc.returncode == 0, out
 
-    proc = run_cli(resumed)
+    # Steps of ~10 ms would finish the run between a poll and the signal on a loaded machine: each step of the
+    # interrupted run sleeps 0.2 s (distributed/failure.py's test hook), leaving the signal 2 s to land before step 20.
+    proc = run_cli(resumed, extra_env={"DFLASH_TEST_SLOW_RANK": "0:0.2"})
     metrics = tmp_path / "resumed" / "metrics.jsonl"
     deadline = time.monotonic() + 240
     while time.monotonic() < deadline:
