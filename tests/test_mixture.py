@@ -497,10 +497,16 @@ def test_stratify_keeps_every_prefix_at_the_shares_until_a_category_runs_out():
     # Within a category the input order is kept (each category's first k are what the shuffle put first).
     for name in "abc":
         assert [p.id for p in ordered if kind(p) == name] == [p.id for p in prompts if kind(p) == name]
-    # After c ran out, a and b go on at 5 : 3; the unnamed category comes last.
+    # After c ran out, a and b share its place equally (0.6 and 0.4 of each position); the unnamed category comes last.
     tail = Counter(kind(p) for p in ordered[50:90])
-    assert tail["c"] == 0 and abs(tail["a"] - 25) <= 1 and abs(tail["b"] - 15) <= 1
+    assert tail["c"] == 0 and abs(tail["a"] - 24) <= 1 and abs(tail["b"] - 16) <= 1
     assert [kind(p) for p in ordered[-5:]] == ["z"] * 5
+    # At a larger scale the equal split is plain beside a split in the ratio of the shares (5 : 2 : 1 would give
+    # 2,500 / 1,000 / 500 of these 4,000 positions): c's 0.2 goes a third to each.
+    many = [_prompt(f"{k}-{i}") for k, n in (("a", 6000), ("b", 3000), ("d", 1000), ("c", 100)) for i in range(n)]
+    spread = mixture.stratify(many, kind, {"a": 0.5, "b": 0.2, "d": 0.1, "c": 0.2})
+    after = Counter(kind(p) for p in spread[1000:5000])
+    assert all(abs(after[name] - (share + 0.2 / 3) * 4000) <= 1 for name, share in (("a", 0.5), ("b", 0.2), ("d", 0.1)))
     assert mixture.stratify(prompts, kind, {"a": 2, "b": 0}) == [
         *[p for p in prompts if kind(p) == "a"],
         *[p for p in prompts if kind(p) != "a"],
@@ -584,11 +590,33 @@ def test_mix_general_prefixes_hold_every_kind_of_traffic():
     dialogues = [p for p in prompts[:20_000] if category_of(p.id) == "dialogue"]
     assert sum(sum(m["role"] == "user" for m in p.messages) > 1 for p in dialogues) > 0.5 * len(dialogues)
     assert all(p.messages[-1]["role"] == "user" for p in dialogues)
-    # The recipe's 80,000: all code and dialogues, the rest in the ratio of their shares.
+    # The default shares' 80,000: all code and dialogues, then chat and math (equal shares) equally.
     recipe = Counter(category_of(p.id) for p in prompts[:80_000])
     assert recipe["code"] == counts["code"] and recipe["dialogue"] == counts["dialogue"]
     assert recipe["math"] > 20_000
     assert load_prompt_set("mix-general", split="train", limit=7) == prompts[:7]
+
+
+@pytest.mark.slow
+def test_the_gpu_general_recipe_holds_all_of_writing_code_and_dialogues():
+    """The GPU main job's 80,000 prompts in its recipe's shares (README: Prompt sets): writing, code and dialogues run
+    out first and are all there; chat, math and puzzles take their places in equal parts (`stratify`), so each holds
+    the same number of prompts beyond its share."""
+    from dflash_trainer.config import load_config
+    from dflash_trainer.data.sources.categories import category_of
+
+    prepare = load_config(str(ROOT / "recipes" / "smollm2-135m-gpu-general.yaml"), []).prepare
+    prompts, _ = load_mixture("mix-general")
+    everything = Counter(category_of(p.id) for p in prompts)
+    recipe = Counter(
+        category_of(p.id)
+        for p in load_prompt_set("mix-general", split="train", limit=prepare.limit, shares=prepare.shares)
+    )
+    assert sum(recipe.values()) == prepare.limit == 80_000
+    assert all(recipe[name] == everything[name] for name in ("writing", "code", "dialogue")), recipe
+    total = sum(prepare.shares.values())
+    beyond = {name: recipe[name] - prepare.shares[name] / total * prepare.limit for name in ("chat", "math", "puzzle")}
+    assert max(beyond.values()) - min(beyond.values()) <= 1 and beyond["chat"] > 1_000, (beyond, recipe)
 
 
 # sha256 of the ids, one a line, of the first 80,000 prompts of `mix-general` in the general recipe's shares, as they

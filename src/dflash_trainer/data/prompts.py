@@ -212,9 +212,9 @@ def _math_weight(prompt: Prompt) -> float:
 # 200-400: GSM8K-like prompts are scarce, about 12K in `mix`), and `writing`'s long-form requests, in an order whose
 # every prefix holds dialogues, chat, code, math and puzzles in `GENERAL_SHARES` (`prepare.shares` sets others, a
 # share of `writing` among them; `sources/categories.py`). Code runs out first (about 12K prompts: all of a prefix of
-# 48K at these shares), then the others continue in their ratio. `writing` came after answers to this order existed:
-# it is appended (`mixture.Share.appended`), and the default shares give it none, so shares without `writing` give the
-# same prompts in the same order as before it, and `writing` only after all of them.
+# 48K at these shares), then the others take its place in equal parts (`mixture.stratify`). `writing` came after
+# answers to this order existed: it is appended (`mixture.Share.appended`), and the default shares give it none, so
+# shares without `writing` give the same prompts in the same order as before it, and `writing` only after all of them.
 GENERAL = mixture.MixtureSpec(
     name="mix-general",
     seed=0,
