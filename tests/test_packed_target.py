@@ -334,8 +334,10 @@ def test_document_attention_only_runs_inside_a_packed_forward(tiny_qwen3):
         document_attention(attention, q, k, v, None, packed_attention=packed, s_aux=torch.zeros(4))
 
 
-@pytest.mark.parametrize("model_name", ["tiny_sliding_qwen3", "tiny_llama"])
-def test_compiled_layers_capture_what_eager_layers_capture_without_recompiling(model_name, request, monkeypatch):
+@pytest.mark.parametrize(("model_name", "layer_kinds"), [("tiny_sliding_qwen3", 2), ("tiny_llama", 1)])
+def test_compiled_layers_capture_what_eager_layers_capture_without_recompiling(
+    model_name, layer_kinds, request, monkeypatch
+):
     """`compile_layers=True` (here dynamo with the aot_eager backend: the same tracing and guards as on a GPU,
     without Inductor; packed rows on the CPU's dense backend): the same features and final states as the eager
     layers, for plain and packed rows of two shapes; the six layers (two window kinds for the sliding Qwen3; Llama,
@@ -360,5 +362,5 @@ def test_compiled_layers_capture_what_eager_layers_capture_without_recompiling(m
             torch.testing.assert_close(got.final_hidden, want.final_hidden, rtol=1e-5, atol=1e-5)
     assert not counters["graph_break"], dict(counters["graph_break"])
     # One graph per layer kind (full, sliding) and row kind (packed, plain), whatever the shapes and layer count.
-    assert counters["stats"]["unique_graphs"] <= 4, dict(counters["stats"])
+    assert counters["stats"]["unique_graphs"] <= 2 * layer_kinds, dict(counters["stats"])
     assert all("forward" not in vars(layer) for layer in model.model.layers)
