@@ -21,7 +21,7 @@ SMOLLM2_ABLATIONS=()
 PAPER_ABLATIONS=()
 # Not yet measured, against the baseline phase (DFlash, loss chunks of 128 blocks): DFlash's step with the loss in
 # chunks of 512 blocks, as DFlash2's recipes now take it (BENCHMARKS.md, 2026-12-04: the DFlash2 step went from 123.6
-# to 86.2 ms, its loss stage from 45 to 26 ms: with 128 the host launching the chunks bound it); then the main job's
+# to 86.2 ms, its loss stage from 45 to 26 ms: with 128 the host launching the chunks partly bound it); then the main job's
 # step (DFlash2, chunks of 512) and the same with the target's layers compiled: the eager target's forward was the
 # largest stage left there (29.8 ms for 16K tokens of a 135M model, a few ms of GEMMs), predicted 18-22 ms compiled.
 NEW_ABLATIONS=(
@@ -43,7 +43,7 @@ EARLIER_ABLATIONS=(
   --ablation "tile64:drafter.flex_tile=64,drafter.compile_mode=max-autotune-no-cudagraphs"
 )
 # The paper setting: the FP8 drafter (drafter.fp8, model/fp8.py), tensorwise and rowwise, alone and beside the FP8
-# target, and the FP8 target alone (2026-12-01, sixth session: 518.8 ms end to end). The phases share targets in
+# target, and the FP8 target alone (2026-12-01: 518.8 ms end to end). The phases share targets in
 # this order (bf16 target, then one FP8 target). Measured and kept in the full list: the target eager (268 against
 # 204 ms compiled) and the loss in chunks of 128 blocks (364.6 against 364.1 ms drafter only: no gain).
 # PAPER_EXTRA adds ';'-separated NAME:overrides phases (e.g. flex kernel options from flex_kernel_bench.py --best);

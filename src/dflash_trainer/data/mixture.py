@@ -320,7 +320,7 @@ def stratify(
     Position n takes the next prompt of the category furthest behind its share, `share * (n + 1) - taken`
     (ties: the order of `shares`). A category that runs out leaves its place to the others in equal parts, not in
     the ratio of their shares: every category left keeps the same lead over its share (with shares 0.5 / 0.3 / 0.2
-    and the third run out, the others go on at 0.6 / 0.4). The GPU main job's prompts were measured in this order.
+    and the third run out, the others go on at 0.6 / 0.4). A change of this rule reorders every exported prefix.
     Categories with share 0, or not named, come after all the others. Shares are weights (they need not sum to 1);
     at least one must be > 0.
     """
