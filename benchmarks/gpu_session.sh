@@ -229,6 +229,9 @@ case "$STAGE" in
     echo "started: benchmarks ($BENCH_FIRST$then) on GPU 0"
     ;;
   wait)
+    # A machine reclaimed since `main` comes back bare: no job ever started here, so there is nothing to wait for or
+    # collect. Say so (exit 2) instead of reporting "all jobs ended" over an empty results folder.
+    ls "$RES"/*.log > /dev/null 2>&1 || { echo "no job has run on this machine: it is not the one \`main\` ran on" >&2; exit 2; }
     deadline=$((SECONDS + ${2:-540}))
     while [ $SECONDS -lt $deadline ]; do
       echo "--- $(date +%T)"

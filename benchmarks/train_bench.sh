@@ -19,19 +19,21 @@ nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$OUT/gpu.t
 
 SMOLLM2_ABLATIONS=()
 PAPER_ABLATIONS=()
-# Not yet measured, against the baseline phase (DFlash, loss chunks of 128 blocks): DFlash's step with the loss in
-# chunks of 512 blocks, as DFlash2's recipes now take it (BENCHMARKS.md, 2026-12-04: the DFlash2 step went from 123.6
-# to 86.2 ms, its loss stage from 45 to 26 ms: with 128 the host launching the chunks partly bound it); then the main job's
-# step (DFlash2, chunks of 512) and the same with the target's layers compiled: the eager target's forward was the
-# largest stage left there (29.8 ms for 16K tokens of a 135M model, a few ms of GEMMs), predicted 18-22 ms compiled.
+# Not yet measured: DFlash2's loss in chunks of 1,024 blocks against 512, both with the target's layers compiled (the
+# step the main job would take with `target.compile=true`). Run 2 of 2026-12-04 had 1,024 9 % below 512 in one
+# process; this benchmark's spread between processes is ~25 %, so only a pair within one run says anything.
 NEW_ABLATIONS=(
+  --ablation "dflash2_tc_chunks512:drafter.algorithm=dflash2,loss.chunk_blocks=512,target.compile=true"
+  --ablation "dflash2_tc_chunks1024:drafter.algorithm=dflash2,loss.chunk_blocks=1024,target.compile=true"
+)
+# Measured on 2026-12-04 (BENCHMARKS.md), in the full list: the DFlash2 drafter with the loss in chunks of 128 and of
+# 512 (the DFlash2 recipes), DFlash with chunks of 512 (+6 %: its recipe keeps 128), and DFlash2 with chunks of 512
+# and the target's layers compiled (-15 % against eager in the same run).
+MEASURED_ABLATIONS=(
+  --ablation "dflash2:drafter.algorithm=dflash2"
   --ablation "chunks512:loss.chunk_blocks=512"
   --ablation "dflash2_chunks512:drafter.algorithm=dflash2,loss.chunk_blocks=512"
   --ablation "dflash2_target_compiled:drafter.algorithm=dflash2,loss.chunk_blocks=512,target.compile=true"
-)
-# Measured on 2026-12-04 (BENCHMARKS.md), in the full list: the DFlash2 drafter with the loss in chunks of 128.
-MEASURED_ABLATIONS=(
-  --ablation "dflash2:drafter.algorithm=dflash2"
 )
 # In the full list (ABLATIONS=1), their one run lost before it printed (BENCHMARKS.md, 2026-12-01): sorted-by-anchors
 # batches (unbalanced = before), the target's layers compiled, Inductor's autotuned kernels, flex tiles of 64 (which

@@ -18,6 +18,7 @@ converting device counters happens once per log step, the one place the hot loop
     lr, grad_norm    optimiser state
     tokens_per_s     target tokens per second (all ranks), mfu (fraction of peak FLOP/s)
     step_time_s      seconds per optimizer step, peak_mem_gib
+    blocks_per_step  blocks the loss kept per optimizer step (all ranks)
     alloc_retries    CUDA caching allocator retries so far (near the memory limit; GPU only)
     compiles, compile_s   frames torch.compile has compiled since training started, and the seconds spent in it
                      (`CompileWatch`; summed over a data-parallel group); a count that still grows after the first

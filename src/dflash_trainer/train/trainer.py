@@ -746,6 +746,8 @@ class Trainer:
             "grad_norm": float(self.last_grad_norm),
             "tokens_per_s": tokens / window.seconds if window.seconds > 0 else 0.0,
             "step_time_s": window.step_time_s,
+            # Kept blocks (all ranks), what the loss works on: with `loss.chunk_blocks`, how full the last chunk is.
+            "blocks_per_step": blocks / window.steps if window.steps > 0 else 0.0,
             "peak_mem_gib": peak_memory_gib(self.device),
         }
         peak = measured_peak_flops(self.device)
