@@ -21,7 +21,7 @@ SMOLLM2_ABLATIONS=()
 PAPER_ABLATIONS=()
 # Not yet measured: DFlash2's loss in chunks of 1,024 blocks against 512, both with the target's layers compiled (the
 # step the main job would take with `target.compile=true`). Run 2 of 2026-12-04 had 1,024 9 % below 512 in one
-# process; this benchmark's spread between processes is ~25 %, so only a pair within one run says anything.
+# process; this benchmark's spread between processes is ~30 %, so only a pair within one run says anything.
 NEW_ABLATIONS=(
   --ablation "dflash2_tc_chunks512:drafter.algorithm=dflash2,loss.chunk_blocks=512,target.compile=true"
   --ablation "dflash2_tc_chunks1024:drafter.algorithm=dflash2,loss.chunk_blocks=1024,target.compile=true"
