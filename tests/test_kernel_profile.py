@@ -58,9 +58,52 @@ def test_a_timed_phase_carries_its_kernel_profile_and_trace(tmp_path):
     assert profile.busy_ms_per_step > 0
     # The training step's matmuls are among the ops that take the most time.
     assert any(k.name in {"aten::mm", "aten::addmm", "aten::bmm", "aten::linear"} for k in profile.kernels)
-    assert json.loads(trace.read_text())["traceEvents"]
+    # The trainer's stages, billed: each one's ops ran inside its wall time (one thread on the CPU).
+    stages = {stage.name: stage for stage in profile.stages}
+    computing = ("target_forward", "drafter_forward", "loss", "backward", "optimizer")
+    assert set(computing) <= set(stages), sorted(stages)
+    assert all(0 < stages[name].busy_ms_per_step <= 1.05 * stages[name].wall_ms_per_step for name in computing)
+    trace_events = json.loads(trace.read_text())["traceEvents"]
+    assert any(event.get("name") == "stage:backward" for event in trace_events)
 
 
 def test_bench_refuses_a_negative_kernel_count(capsys):
     assert main(["bench", "--kernels", "-1"]) == 2
     assert "--kernels" in capsys.readouterr().err
+
+
+def test_kernels_are_billed_to_the_annotated_stage_that_ran_them():
+    """A stage that only waits (host-bound) reads as idle; a stage of matmuls as busy; work outside any stage is
+    billed to none."""
+    import time
+
+    from dflash_trainer.kernel_profile import stage_busy
+    from dflash_trainer.train.profiler import StageProfiler
+
+    stages = StageProfiler(3600.0, device="cpu", sink=lambda _: None, annotate=True)
+    big = torch.randn(256, 256)
+
+    def run():
+        with stages.stage("compute"):
+            for _ in range(6):
+                big @ big
+        with stages.stage("host_wait"):
+            time.sleep(0.02)
+            big.relu()
+        big @ big  # outside every stage
+
+    result = profile_kernels(run, steps=2, device=torch.device("cpu"), top=5)
+    by_name = {stage.name: stage for stage in result.stages}
+    assert set(by_name) == {"compute", "host_wait"}
+    compute, waiting = by_name["compute"], by_name["host_wait"]
+    assert waiting.wall_ms_per_step >= 20.0  # the sleep
+    assert waiting.busy_ms_per_step < 0.25 * waiting.wall_ms_per_step
+    assert compute.busy_ms_per_step > 0.5 * compute.wall_ms_per_step
+    # Busy time is what ran inside the stages: never more than the ops' total, the unstaged matmul left out.
+    assert compute.busy_ms_per_step + waiting.busy_ms_per_step < result.busy_ms_per_step
+    lines = format_profile(result, step_ms=30.0)
+    assert any(line.strip().startswith("host_wait") and "idle" in line for line in lines)
+    # Without annotations there are no stages to bill.
+    assert stage_busy([], steps=1, on_cuda=False) == []
+    plain = profile_kernels(lambda: big @ big, steps=1, device=torch.device("cpu"), top=3)
+    assert plain.stages == []

@@ -24,8 +24,9 @@ dynamo compiled in it, its seconds in dynamo's compile by stage and frame by fra
 compilations after warm-up (any is a recompile), and the per-stage profile of a few more steps run with the stage
 profiler on (it synchronises after every stage, so those steps are slower; the shares are what count),
 and with `--kernels N` the N kernels that take the most device time over a few more steps, run under
-`torch.profiler` (`kernel_profile.py`: busy time against step time, then ms, share and calls per kernel;
-`--trace-dir` also writes each phase's Chrome trace).
+`torch.profiler` (`kernel_profile.py`: busy time against step time, then ms, share and calls per kernel, then per
+stage its synchronised wall time against its kernels' busy time; `--trace-dir` also writes each phase's Chrome
+trace, the stages in it as `stage:NAME` ranges).
 Timing follows benchmarks/METHOD: warm-up steps first, then the median of timed steps, each bracketed by device
 synchronisation. Results go to stdout and, with `--out`, to a JSON file.
 """
@@ -319,13 +320,15 @@ def time_steps(
         stage: (memory.entry_bytes / 2**30, memory.peak_bytes / 2**30)
         for stage, memory in trainer.profiler.memory().items()
     }
-    trainer.profiler = real_profiler
     kernel_profile = None
     if kernels > 0:
+        # The stages again, each a profiler range, so the kernels can be billed to the stage that launched them.
+        trainer.profiler = StageProfiler(3600.0, device=device, sink=lambda _: None, annotate=True)
         kernel_profile = profile_kernels(
             lambda: run(next(works)), steps=PROFILED_STEPS, device=device, top=kernels, trace_path=trace_path
         )
         trainer._settle_flags()
+    trainer.profiler = real_profiler
     return PhaseResult(
         name=name,
         step_ms_median=median * 1e3,

@@ -15,10 +15,18 @@ caller's warm-up: nothing here compiles or warms up) and returns a `KernelProfil
 busy for 120 ms is host- or launch-bound for the rest, and no faster kernel fixes that. Per entry: calls and
 milliseconds per step, and the share of the busy time. `trace_path` also writes the Chrome trace (open it in
 Perfetto) for the timeline the table cannot show.
+
+Per stage (`stages`), when `run` enters the trainer's stages under an annotating, synchronising `StageProfiler`
+(`annotate=True`: each stage a `record_function` range that closes after the stage's sync): the range's wall time
+and the device time of the kernels that start inside it (CPU: the own time of the ops that start inside it). A
+kernel starts after the launch that queued it, and a synchronised stage ends only when its kernels have, so each
+kernel falls in the range of the stage that launched it; stages do not nest. A stage whose kernels fill a small part
+of its wall time is bound by the host (launches, Python, guards), which is what the step table alone cannot say.
 """
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,6 +34,8 @@ from pathlib import Path
 import torch
 from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
+
+from .train.profiler import STAGE_ANNOTATION
 
 # Kernel names of GEMMs and Triton kernels run to hundreds of characters; the start identifies them.
 NAME_CHARS = 96
@@ -40,11 +50,19 @@ class KernelTime:
 
 
 @dataclass
+class StageBusy:
+    name: str
+    wall_ms_per_step: float  # the synchronised stage's wall time
+    busy_ms_per_step: float  # its kernels' device time (CPU: its ops' own time)
+
+
+@dataclass
 class KernelProfile:
     device: str
     steps: int
     busy_ms_per_step: float
     kernels: list[KernelTime] = field(default_factory=list)
+    stages: list[StageBusy] = field(default_factory=list)  # empty unless the steps ran annotated stages
 
 
 def profile_kernels(
@@ -84,7 +102,42 @@ def profile_kernels(
         )
         for event, us in timed[:top]
     ]
-    return KernelProfile(device=device.type, steps=steps, busy_ms_per_step=busy_us / 1e3 / steps, kernels=kernels)
+    return KernelProfile(
+        device=device.type,
+        steps=steps,
+        busy_ms_per_step=busy_us / 1e3 / steps,
+        kernels=kernels,
+        stages=stage_busy(prof.events(), steps=steps, on_cuda=on_cuda),
+    )
+
+
+def stage_busy(events: list, *, steps: int, on_cuda: bool) -> list[StageBusy]:
+    """Wall and busy milliseconds per step of every annotated stage (module docstring), longest first."""
+    ranges = sorted(
+        (event.time_range.start, event.time_range.end, event.name[len(STAGE_ANNOTATION) :])
+        for event in events
+        if event.device_type == DeviceType.CPU and event.name.startswith(STAGE_ANNOTATION)
+    )
+    wall_us: dict[str, float] = {}
+    busy_us: dict[str, float] = {}
+    for start, end, name in ranges:
+        wall_us[name] = wall_us.get(name, 0.0) + (end - start)
+        busy_us.setdefault(name, 0.0)
+    starts = [start for start, _, _ in ranges]
+    kind = DeviceType.CUDA if on_cuda else DeviceType.CPU
+    for event in events:
+        if event.device_type != kind or event.is_user_annotation or event.name.startswith(STAGE_ANNOTATION):
+            continue
+        begin = event.time_range.start
+        index = bisect.bisect_right(starts, begin) - 1  # the last stage that began before this work
+        if index < 0 or begin > ranges[index][1]:
+            continue  # outside every stage
+        name = ranges[index][2]
+        busy_us[name] += event.time_range.elapsed_us() if on_cuda else event.self_cpu_time_total
+    return sorted(
+        (StageBusy(name, wall_us[name] / 1e3 / steps, busy_us[name] / 1e3 / steps) for name in wall_us),
+        key=lambda stage: -stage.wall_ms_per_step,
+    )
 
 
 def format_profile(result: KernelProfile, step_ms: float) -> list[str]:
@@ -99,4 +152,15 @@ def format_profile(result: KernelProfile, step_ms: float) -> list[str]:
         f"  {k.ms_per_step:8.2f} ms {100 * k.share:5.1f} % {k.calls_per_step:7.1f} calls  {k.name}"
         for k in result.kernels
     ]
+    if result.stages:
+        lines.append(f"per stage (synchronised; wall, then the {what} inside it):")
+        lines += [
+            f"  {stage.name:<16} {stage.wall_ms_per_step:8.2f} ms wall, {what} {stage.busy_ms_per_step:8.2f} ms "
+            f"({_idle_percent(stage.busy_ms_per_step, stage.wall_ms_per_step)} idle)"
+            for stage in result.stages
+        ]
     return lines
+
+
+def _idle_percent(busy_ms: float, wall_ms: float) -> str:
+    return f"{100 * max(0.0, 1.0 - busy_ms / wall_ms):.0f} %" if wall_ms > 0 else "n/a"

@@ -18,6 +18,10 @@ into a blocking one and keep a profiled target from running ahead of its drafter
 stream does wait for (a DDP all-reduce at the end of backward, a received payload) is billed as usual. When disabled
 (`interval_s <= 0`) it costs nothing: `stage()` returns one shared no-op context manager and reads no clock.
 
+With `annotate=True` each stage is also a `torch.profiler.record_function` range (`stage:NAME`), closed after the
+stage's sync, so that `kernel_profile.py` can bill the kernels of a torch.profiler trace to the stages (bench
+`--kernels`); off, it records nothing.
+
 Stage names used by the trainer: data, target_forward, feature_pack, mask_build, drafter_forward, loss,
 backward, optimizer, checkpoint, eval; with the disaggregated placement also recv_wait (drafters), send_wait
 and send (targets). Stages do not nest.
@@ -40,6 +44,8 @@ UNTRACKED_STAGE = "(untracked)"
 # rank's, sent in batch headers) carries the time it covers under this name; that rank's shares are taken
 # against it instead of the report's interval.
 COVERED_STAGE = "(covered)"
+# The prefix of a stage's `record_function` range when the profiler annotates (`StageProfiler(annotate=True)`).
+STAGE_ANNOTATION = "stage:"
 
 
 class StageStats(NamedTuple):
@@ -64,10 +70,22 @@ class _StageTimer:
     """Accumulates the timings of one stage (and, when the profiler tracks memory, its memory); it is its own
     context manager, reused for every entry."""
 
-    __slots__ = ("_profiler", "_started", "count", "entry_bytes", "max_s", "peak_bytes", "sum_s")
+    __slots__ = (
+        "_annotation",
+        "_name",
+        "_profiler",
+        "_started",
+        "count",
+        "entry_bytes",
+        "max_s",
+        "peak_bytes",
+        "sum_s",
+    )
 
-    def __init__(self, profiler: StageProfiler) -> None:
+    def __init__(self, profiler: StageProfiler, name: str) -> None:
         self._profiler = profiler
+        self._name = name
+        self._annotation: torch.profiler.record_function | None = None
         self._started = 0.0
         self.count = 0
         self.sum_s = 0.0
@@ -81,6 +99,9 @@ class _StageTimer:
             # The caching allocator's own counters, kept on the host: reading and resetting them waits for nothing.
             self.entry_bytes = max(self.entry_bytes, torch.cuda.memory_allocated(memory_device))
             torch.cuda.reset_peak_memory_stats(memory_device)
+        if self._profiler.annotate:
+            self._annotation = torch.profiler.record_function(STAGE_ANNOTATION + self._name)
+            self._annotation.__enter__()
         self._started = time.perf_counter()
 
     def __exit__(self, *exc_info: object) -> None:
@@ -88,6 +109,10 @@ class _StageTimer:
             # The profiler's one sync (see the module docstring): wait for this stage's GPU work, on its stream.
             torch.cuda.current_stream(self._profiler.sync_device).synchronize()
         elapsed = time.perf_counter() - self._started
+        if self._annotation is not None:
+            # Closed after the sync: the range spans the stage's kernels too (`kernel_profile.stage_busy`).
+            self._annotation.__exit__(None, None, None)
+            self._annotation = None
         self.count += 1
         self.sum_s += elapsed
         self.max_s = max(self.max_s, elapsed)
@@ -109,6 +134,7 @@ class StageProfiler:
         sync: bool = True,
         label: str = "local",
         track_memory: bool = False,
+        annotate: bool = False,
     ) -> None:
         self.interval_s = float(interval_s)
         self.enabled = self.interval_s > 0
@@ -117,6 +143,9 @@ class StageProfiler:
         # `track_memory` (CUDA, synchronised stages): each stage's entry and peak allocation (`memory()`). It resets
         # the allocator's peak counter at every stage, so a caller reading the run's peak must read it before.
         self.memory_device = self.sync_device if track_memory else None
+        # `annotate`: each stage is also a `torch.profiler.record_function` range named STAGE_ANNOTATION + stage, so a
+        # torch.profiler trace shows the stages and `kernel_profile` can bill kernels to them (bench --kernels).
+        self.annotate = annotate and self.enabled
         self.label = label
         self._sink = sink
         self._timers: dict[str, _StageTimer] = {}
@@ -146,7 +175,7 @@ class StageProfiler:
             return _NULL_STAGE
         timer = self._timers.get(name)
         if timer is None:
-            timer = self._timers[name] = _StageTimer(self)
+            timer = self._timers[name] = _StageTimer(self, name)
         return timer
 
     def summary(self, *, covered: bool = False) -> StageSummary:
