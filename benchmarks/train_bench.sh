@@ -22,9 +22,13 @@ PAPER_ABLATIONS=()
 # Not yet measured: DFlash2's loss in chunks of 1,024 blocks against 512, both with the target's layers compiled (the
 # step the main job would take with `target.compile=true`). Run 2 of 2026-12-04 had 1,024 9 % below 512 in one
 # process; this benchmark's spread between processes is ~30 %, so only a pair within one run says anything.
+# Then the target's compiled layers replayed as CUDA graphs (`target.compile_mode=reduce-overhead`): the compiled
+# target forward took 28.6 ms for ~5 ms of GEMMs, predicted host-bound (KERNELS=N shows each stage's kernels against
+# its wall time); predicted 28.6 -> 8-12 ms, the step -15 to -20 ms more.
 NEW_ABLATIONS=(
   --ablation "dflash2_tc_chunks512:drafter.algorithm=dflash2,loss.chunk_blocks=512,target.compile=true"
   --ablation "dflash2_tc_chunks1024:drafter.algorithm=dflash2,loss.chunk_blocks=1024,target.compile=true"
+  --ablation "dflash2_tc_graphs:drafter.algorithm=dflash2,loss.chunk_blocks=512,target.compile=true,target.compile_mode=reduce-overhead"
 )
 # Measured on 2026-12-04 (BENCHMARKS.md), in the full list: the DFlash2 drafter with the loss in chunks of 128 and of
 # 512 (the DFlash2 recipes), DFlash with chunks of 512 (+6 %: its recipe keeps 128), and DFlash2 with chunks of 512

@@ -350,7 +350,9 @@ def test_compiled_layers_capture_what_eager_layers_capture_without_recompiling(
     model = request.getfixturevalue(model_name)
     torch._dynamo.reset()
     counters.clear()
-    monkeypatch.setattr(capture_module, "compile_layer_forward", lambda fn: compile_dynamic(fn, backend="aot_eager"))
+    monkeypatch.setattr(
+        capture_module, "compile_layer_forward", lambda fn, mode="default": compile_dynamic(fn, backend="aot_eager")
+    )
     eager = FeatureCapture(model, [1, 4], True, packed_attention="dense")
     compiled_capture = FeatureCapture(model, [1, 4], True, packed_attention="dense", compile_layers=True)
     batches = [packed_batch(LENGTHS, WIDTH), packed_batch([[7, 9], [16], [4, 4, 4, 4]], 16, seed=1)]
@@ -364,3 +366,30 @@ def test_compiled_layers_capture_what_eager_layers_capture_without_recompiling(
     # One graph per layer kind (full, sliding) and row kind (packed, plain), whatever the shapes and layer count.
     assert counters["stats"]["unique_graphs"] <= 2 * layer_kinds, dict(counters["stats"])
     assert all("forward" not in vars(layer) for layer in model.model.layers)
+
+
+def test_cuda_graph_layers_start_a_new_graph_step_at_every_capture(tiny_llama, monkeypatch):
+    """`target.compile_mode=reduce-overhead`: the mode reaches the compiled layers, and every capture marks a new
+    cudagraph step (the previous capture's layer outputs may be overwritten: the hooks copied what they keep);
+    the default mode marks none. (CUDA graphs themselves need a GPU: `--ablation` in benchmarks/train_bench.sh.)"""
+    from dflash_trainer.targets import capture as capture_module
+
+    modes, steps = [], []
+    monkeypatch.setattr(
+        capture_module,
+        "compile_layer_forward",
+        lambda fn, mode="default": modes.append(mode) or compile_dynamic(fn, backend="aot_eager"),
+    )
+    monkeypatch.setattr(torch.compiler, "cudagraph_mark_step_begin", lambda: steps.append(1))
+    input_ids, doc_ids, _ = packed_batch(LENGTHS, WIDTH)
+    plain = FeatureCapture(tiny_llama, [1, 4], packed_attention="dense", compile_layers=True)
+    plain.capture(input_ids, None, doc_ids)
+    assert modes == ["default"] and steps == []
+    graphs = FeatureCapture(
+        tiny_llama, [1, 4], packed_attention="dense", compile_layers=True, compile_mode="reduce-overhead"
+    )
+    want = plain.capture(input_ids, None, doc_ids)
+    for _ in range(2):
+        got = graphs.capture(input_ids, None, doc_ids)
+        torch.testing.assert_close(got.features, want.features)
+    assert modes == ["default", "reduce-overhead"] and len(steps) == 2

@@ -156,6 +156,34 @@ def test_gpu_compiled_target_layers_give_the_eager_features_without_recompiling(
     )
 
 
+def test_gpu_cuda_graph_target_layers_replay_what_the_compiled_layers_compute():
+    """`target.compile_mode=reduce-overhead`: the compiled layers replayed as CUDA graphs give the features and final
+    states the same compiled layers give launched one by one (the same Inductor kernels, so within bf16 rounding of
+    each other), on packed rows of two shapes, each captured three times: the first calls warm up and record, the
+    later ones replay, and a capture's outputs are its own (a replay that overwrote a kept output would differ)."""
+    if not varlen_supported(torch.bfloat16, SIZES["mid"][3]):
+        pytest.skip(f"torch {torch.__version__} has no usable torch.nn.attention.varlen")
+    torch._dynamo.reset()
+    model = random_qwen3("mid", sliding=True)
+    launched = FeatureCapture(model, [0, 1, 3], need_final_hidden=True, packed_attention="varlen", compile_layers=True)
+    graphs = FeatureCapture(
+        model,
+        [0, 1, 3],
+        need_final_hidden=True,
+        packed_attention="varlen",
+        compile_layers=True,
+        compile_mode="reduce-overhead",
+    )
+    for lengths, width in [(LENGTHS, WIDTH), ([[200, 311], [640], [5, 80, 300, 9]], 640)]:
+        input_ids, doc_ids = packed_rows(lengths, width)
+        want = launched.capture(input_ids, None, doc_ids)
+        got = [graphs.capture(input_ids, None, doc_ids) for _ in range(3)]
+        for field in ("features", "final_hidden"):
+            for attempt, outputs in enumerate(got):
+                error = relative_error(getattr(outputs, field), getattr(want, field))
+                assert error < 1e-2, f"{field}, width {width}, capture {attempt}: {error:.4f} from the launched layers"
+
+
 @pytest.mark.parametrize("path", ["varlen_hybrid", "per_document"])
 def test_gpu_hybrid_packed_rows_are_as_accurate_as_each_document_alone(path, monkeypatch):
     """Both paths of a hybrid on fla's kernels: one forward with the sequences' boundaries (where fla runs), and the

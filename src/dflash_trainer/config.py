@@ -45,8 +45,11 @@ class TargetConfig:
     # layers' norms, RoPE and activations (Qwen3-8B shape: 268 -> 204 ms per 8,192-token row; on in
     # recipes/bench-qwen3-8b.yaml); a hybrid's linear-attention kernels stay opaque ops in the compiled layers
     # (targets/opaque_kernels.py). Evaluation and regeneration run the layers as loaded. Off by default until
-    # measured on the SmolLM2 recipe.
+    # measured in the SmolLM2 main job (its step benchmark: target forward 42.0 -> 28.6 ms, BENCHMARKS.md 2026-12-04).
     compile: bool = False
+    # Inductor's mode for those layers. `reduce-overhead` replays each layer's kernels as a CUDA graph (recorded per
+    # batch shape), for a target bound by the host launching them; `default` launches them one by one. Speed only.
+    compile_mode: Literal["default", "reduce-overhead", "max-autotune-no-cudagraphs"] = "default"
     # The decoding engine's delta-rule states of a hybrid target (Qwen3.5/3.6) in regeneration and evaluation:
     # `auto` float32 (the lossless reference); `bfloat16` halves their memory and traffic, most of a decode step at
     # many rows, as serving engines keep them (speculative output then equals plain only up to near-ties;

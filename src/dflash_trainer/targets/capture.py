@@ -39,6 +39,9 @@ can run through one `torch.compile`d function of their class's `forward`
 (dynamic sizes): the layers share one code object and, modules being inputs to compiled code, one compiled graph.
 Only during `capture` is each layer's `forward` pointed at it, so the hooks stay eager around it (the copy and the
 early stop) and every other user of the model (evaluation, regeneration: the decoding engine) runs it as loaded.
+With `compile_mode="reduce-overhead"` Inductor also records each layer's kernels as a CUDA graph (per batch shape;
+cudagraph trees chain the layers of one capture) and replays it, so the host launches one graph per layer instead
+of its kernels one by one; each capture starts a new cudagraph step.
 Packed attention prepares its inputs before the forward (`PackedAttention`), so the compiled layers read tensors
 and one integer. A hybrid's layers branch on their type, so its class compiles one graph per layer type (linear and
 full attention; every layer of a type shares it). The linear-attention layers' delta rule and short convolution
@@ -144,7 +147,8 @@ class FeatureCapture:
     """Runs the target on token rows and returns the outputs of `layer_ids`, concatenated on the last dim.
 
     `packed_attention`: the kernel of the `attention` path (`auto`, `varlen`, `flex`, `dense`; see `attention.py`).
-    `compile_layers`: run the decoder layers up to the deepest tap compiled (module docstring).
+    `compile_layers`: run the decoder layers up to the deepest tap compiled (module docstring), in Inductor's
+    `compile_mode`.
     """
 
     def __init__(
@@ -155,6 +159,7 @@ class FeatureCapture:
         *,
         packed_attention: str = "auto",
         compile_layers: bool = False,
+        compile_mode: str = "default",
     ) -> None:
         self.model = model
         self.decoder = decoder_module(model)
@@ -192,8 +197,13 @@ class FeatureCapture:
         self._kernel_modules = ()
         if compile_layers:
             layers = self.decoder.layers[: self._layers_run]
-            self._compiled_forward = {kind: compile_layer_forward(kind.forward) for kind in {type(x) for x in layers}}
+            self._compiled_forward = {
+                kind: compile_layer_forward(kind.forward, mode=compile_mode) for kind in {type(x) for x in layers}
+            }
             self._kernel_modules = linear_attention_modules(layers)
+        # CUDA graphs (`reduce-overhead`): each capture is a new step of the graphs' memory (cudagraph trees), the
+        # previous capture's layer outputs dead by then (the hooks copied what they keep).
+        self._graph_steps = compile_layers and compile_mode == "reduce-overhead"
 
     def capture(
         self,
@@ -328,6 +338,8 @@ class FeatureCapture:
             yield
             return
         layers = list(self.decoder.layers[: self._layers_run])
+        if self._graph_steps:
+            torch.compiler.cudagraph_mark_step_begin()
         for layer in layers:
             layer.forward = partial(self._compiled_forward[type(layer)], layer)
         try:
@@ -347,6 +359,6 @@ class FeatureCapture:
         return hook
 
 
-def compile_layer_forward(forward: Callable) -> Callable:
+def compile_layer_forward(forward: Callable, mode: str = "default") -> Callable:
     """A decoder layer class's `forward`, compiled with dynamic sizes (rows and row lengths change per batch)."""
-    return compile_dynamic(forward)
+    return compile_dynamic(forward, mode=None if mode == "default" else mode)

@@ -416,6 +416,7 @@ class TargetWorker:
             start["layer_ids"],
             need_final_hidden=self.config.loss.label_source != "data",
             compile_layers=self.config.target.compile and self.world.device.type == "cuda",
+            compile_mode=self.config.target.compile_mode,
         )
         notices = NoticeBoard(
             list(self.roles.drafter_ranks), self.roles.header_group, timeout_s=self.config.placement.timeout_s

@@ -247,6 +247,7 @@ class Trainer:
             self.model_config.target_layer_ids,
             need_final_hidden=self.config.loss.label_source != "data",
             compile_layers=self.config.target.compile and self.device.type == "cuda",
+            compile_mode=self.config.target.compile_mode,
         )
         hybrid = bool(linear_attention_layers(self.target.model))
         if hybrid and self.capture.packing_path == "per_document" and self.device.type == "cuda":
