@@ -65,7 +65,9 @@ def test_compiled_hybrid_layers_give_the_eager_features_in_one_graph_per_layer_t
         bound["torch_chunk_gated_delta_rule"] = modeling.torch_chunk_gated_delta_rule
     torch._dynamo.reset()
     counters.clear()
-    monkeypatch.setattr(capture_module, "compile_layer_forward", lambda fn: compile_dynamic(fn, backend="aot_eager"))
+    monkeypatch.setattr(
+        capture_module, "compile_layer_forward", lambda fn, mode="default": compile_dynamic(fn, backend="aot_eager")
+    )
     eager = FeatureCapture(tiny_hybrid, [1, 5], True)
     compiled = FeatureCapture(tiny_hybrid, [1, 5], True, compile_layers=True)
     generator = torch.Generator().manual_seed(0)

@@ -89,7 +89,7 @@ def test_kernels_are_billed_to_the_annotated_stage_that_ran_them():
                 big @ big
         with stages.stage("host_wait"):
             time.sleep(0.02)
-            big.relu()
+            torch.ones(8).relu()  # tiny: no worker threads to wait for on a busy machine
         big @ big  # outside every stage
 
     result = profile_kernels(run, steps=2, device=torch.device("cpu"), top=5)
@@ -97,7 +97,7 @@ def test_kernels_are_billed_to_the_annotated_stage_that_ran_them():
     assert set(by_name) == {"compute", "host_wait"}
     compute, waiting = by_name["compute"], by_name["host_wait"]
     assert waiting.wall_ms_per_step >= 20.0  # the sleep
-    assert waiting.busy_ms_per_step < 0.25 * waiting.wall_ms_per_step
+    assert waiting.wall_ms_per_step - waiting.busy_ms_per_step >= 15.0  # ... billed to no op
     assert compute.busy_ms_per_step > 0.5 * compute.wall_ms_per_step
     # Busy time is what ran inside the stages: never more than the ops' total, the unstaged matmul left out.
     assert compute.busy_ms_per_step + waiting.busy_ms_per_step < result.busy_ms_per_step

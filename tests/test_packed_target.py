@@ -393,3 +393,29 @@ def test_cuda_graph_layers_start_a_new_graph_step_at_every_capture(tiny_llama, m
         got = graphs.capture(input_ids, None, doc_ids)
         torch.testing.assert_close(got.features, want.features)
     assert modes == ["default", "reduce-overhead"] and len(steps) == 2
+
+
+def test_fixed_size_boundaries_only_add_empty_sequences():
+    """CUDA-graph captures (`target.compile_mode=reduce-overhead`) see varlen boundaries of a bucketed length and the
+    row length as the longest segment: the padding repeats the total (empty sequences), the real boundaries stay."""
+    doc_ids = torch.tensor([[0, 0, 1, 1, 1, 2, -1, -1], [0, 0, 0, 0, 0, 0, 0, 1]])
+    layout = DocumentLayout.from_doc_ids(doc_ids)
+    real = layout.cu_seqlens()
+    padded, longest = doc_attention.fixed_size_boundaries(real, doc_ids.shape)
+    assert padded.numel() == doc_attention.BOUNDARY_BUCKET and padded.dtype == real.dtype
+    assert torch.equal(padded[: real.numel()], real)
+    assert torch.equal(padded[real.numel() :], torch.full((padded.numel() - real.numel(),), 16, dtype=real.dtype))
+    assert longest == 8 >= layout.max_seqlen()
+    # One bucket more only past a whole bucket.
+    many = torch.arange(doc_attention.BOUNDARY_BUCKET + 1, dtype=torch.int32)
+    padded, _ = doc_attention.fixed_size_boundaries(many, torch.Size([1, doc_attention.BOUNDARY_BUCKET]))
+    assert padded.numel() == 2 * doc_attention.BOUNDARY_BUCKET
+
+
+def test_cuda_graph_layers_refuse_the_hybrid_paths(tiny_qwen3, monkeypatch):
+    """The hybrid paths hand host tensors to the layers, which no CUDA graph can hold: refused by name."""
+    from dflash_trainer.targets import capture as capture_module
+
+    monkeypatch.setattr(capture_module, "packing_path", lambda model: "per_document")
+    with pytest.raises(ValueError, match="per_document path of this target cannot run as CUDA graphs"):
+        FeatureCapture(tiny_qwen3, [1], compile_layers=True, compile_mode="reduce-overhead")

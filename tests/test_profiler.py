@@ -183,3 +183,11 @@ def test_torch_profiler_window_writes_a_chrome_trace_for_the_requested_steps(tmp
     assert [trace.name for trace in traces] == ["rank3_steps12-13.json"]
     events = json.loads(traces[0].read_text())["traceEvents"]
     assert any("aten::mm" in str(event.get("name", "")) for event in events)
+
+
+def test_annotated_stages_need_synchronised_stages():
+    """Kernels are billed to the stage whose range they start in: unsynchronised stages would end before their
+    kernels, so annotating them is refused."""
+    with pytest.raises(ValueError, match="annotate=True needs sync=True"):
+        StageProfiler(1.0, device="cpu", annotate=True, sync=False)
+    assert not StageProfiler(0.0, device="cpu", annotate=True, sync=False).annotate  # off: nothing to bill

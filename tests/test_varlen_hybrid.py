@@ -158,7 +158,9 @@ def test_compiled_layers_on_the_one_forward_path_give_the_eager_features(tiny_qw
 
     torch._dynamo.reset()
     counters.clear()
-    monkeypatch.setattr(capture_module, "compile_layer_forward", lambda fn: compile_dynamic(fn, backend="aot_eager"))
+    monkeypatch.setattr(
+        capture_module, "compile_layer_forward", lambda fn, mode="default": compile_dynamic(fn, backend="aot_eager")
+    )
     eager = FeatureCapture(tiny_qwen3_5, [0, 1, 2], need_final_hidden=True)
     compiled = FeatureCapture(tiny_qwen3_5, [0, 1, 2], need_final_hidden=True, compile_layers=True)
     graphs = []

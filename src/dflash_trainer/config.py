@@ -56,6 +56,13 @@ class TargetConfig:
     # decoding/recurrent.py "State dtype").
     recurrent_state_dtype: Literal["auto", "float32", "bfloat16"] = "auto"
 
+    def validate(self) -> None:
+        _require(
+            self.compile or self.compile_mode == "default",
+            "target.compile_mode",
+            f"{self.compile_mode!r} applies to the compiled layers only: set target.compile=true too",
+        )
+
 
 # flex_attention's kernel options (torch's `FlexKernelOptions`) that `drafter.flex_kernel_options` may set: those
 # that change how fast the kernels run and never what they compute: tiles (powers of two, at most the flex tile:

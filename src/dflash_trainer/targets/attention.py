@@ -65,7 +65,9 @@ class PackedAttention:
     dense). The layers then only read prepared values: nothing is built or cached inside them, which also keeps
     compiled layers (`FeatureCapture(compile_layers=True)`) free of host work and of guards on the layout."""
 
-    def __init__(self, layout: DocumentLayout, backend: Backend, windows: list[int | None]) -> None:
+    def __init__(
+        self, layout: DocumentLayout, backend: Backend, windows: list[int | None], *, fixed_sizes: bool = False
+    ) -> None:
         self.layout = layout
         self.backend = backend
         self.windows = windows
@@ -75,6 +77,8 @@ class PackedAttention:
         self.varlen_gqa_keyword = False
         if backend == "varlen":
             self.cu_seqlens, self.max_seqlen = layout.cu_seqlens(), layout.max_seqlen()
+            if fixed_sizes:
+                self.cu_seqlens, self.max_seqlen = fixed_size_boundaries(self.cu_seqlens, layout.segment_ids.shape)
             # torch >= 2.12 asks for GQA explicitly; 2.10/2.11 pass the KV heads straight to the kernel.
             self.varlen_gqa_keyword = "enable_gqa" in (_varlen_parameters() or ())
         else:
@@ -104,6 +108,22 @@ class PackedAttention:
             mask = self.masks[window]
             out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scale, enable_gqa=enable_gqa)
         return out.transpose(1, 2)  # [R, T, Hq, D]
+
+
+# `fixed_sizes`: the boundaries' length is rounded up to a multiple of this (varlen), so that batches with a few more or
+# fewer documents share one size.
+BOUNDARY_BUCKET = 64
+
+
+def fixed_size_boundaries(cu_seqlens: Tensor, shape: torch.Size) -> tuple[Tensor, int]:
+    """`[S+1]` boundaries of rows `shape = [R, T]` -> boundaries padded to a multiple of `BOUNDARY_BUCKET` entries
+    by repeating the total (empty sequences, which the varlen kernel skips) and the longest segment taken as T (a
+    segment never crosses a row; the kernel only sizes its grid from it). The integers a compiled layer sees then
+    change only with R, T and the bucket, not with each batch's documents: what CUDA graphs (`target.compile_mode
+    =reduce-overhead`), which record one graph per set of integer inputs, need to replay rather than record."""
+    rows, length = shape
+    size = -(-cu_seqlens.numel() // BOUNDARY_BUCKET) * BOUNDARY_BUCKET
+    return F.pad(cu_seqlens, (0, size - cu_seqlens.numel()), value=rows * length), length
 
 
 def document_attention(

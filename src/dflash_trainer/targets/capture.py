@@ -41,7 +41,10 @@ Only during `capture` is each layer's `forward` pointed at it, so the hooks stay
 early stop) and every other user of the model (evaluation, regeneration: the decoding engine) runs it as loaded.
 With `compile_mode="reduce-overhead"` Inductor also records each layer's kernels as a CUDA graph (per batch shape;
 cudagraph trees chain the layers of one capture) and replays it, so the host launches one graph per layer instead
-of its kernels one by one; each capture starts a new cudagraph step.
+of its kernels one by one; each capture starts a new cudagraph step. A graph is recorded per set of integer inputs,
+so the varlen boundaries are padded to a bucketed length and the longest segment taken as the row length
+(`attention.fixed_size_boundaries`): batches of one row shape then replay one graph whatever their documents. The
+hybrid paths hand host tensors to the layers and refuse this mode.
 Packed attention prepares its inputs before the forward (`PackedAttention`), so the compiled layers read tensors
 and one integer. A hybrid's layers branch on their type, so its class compiles one graph per layer type (linear and
 full attention; every layer of a type shares it). The linear-attention layers' delta rule and short convolution
@@ -204,6 +207,12 @@ class FeatureCapture:
         # CUDA graphs (`reduce-overhead`): each capture is a new step of the graphs' memory (cudagraph trees), the
         # previous capture's layer outputs dead by then (the hooks copied what they keep).
         self._graph_steps = compile_layers and compile_mode == "reduce-overhead"
+        if self._graph_steps and self.packing_path != "attention":
+            # The hybrid paths hand host tensors (sequence boundaries) to the layers: no CUDA graph can hold them.
+            raise ValueError(
+                f"target.compile_mode=reduce-overhead: the {self.packing_path} path of this target cannot run as CUDA "
+                "graphs; use compile_mode=default"
+            )
 
     def capture(
         self,
@@ -252,7 +261,8 @@ class FeatureCapture:
         if position_ids is None:
             position_ids = layout.positions()
         if self.packing_path == "attention":
-            packed = {"packed_attention": PackedAttention(layout, self.backend, self.windows)}
+            attention = PackedAttention(layout, self.backend, self.windows, fixed_sizes=self._graph_steps)
+            packed = {"packed_attention": attention}
             with documents_attention_implementation(self.decoder.config):
                 final_hidden = self._run(input_ids, position_ids, self._slot_writer(features), packed)
             return TargetOutputs(features=features, final_hidden=final_hidden)

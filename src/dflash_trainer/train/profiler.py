@@ -105,14 +105,17 @@ class _StageTimer:
         self._started = time.perf_counter()
 
     def __exit__(self, *exc_info: object) -> None:
-        if self._profiler.sync_device is not None:
-            # The profiler's one sync (see the module docstring): wait for this stage's GPU work, on its stream.
-            torch.cuda.current_stream(self._profiler.sync_device).synchronize()
+        try:
+            if self._profiler.sync_device is not None:
+                # The profiler's one sync (see the module docstring): wait for this stage's GPU work, on its stream.
+                torch.cuda.current_stream(self._profiler.sync_device).synchronize()
+        finally:
+            if self._annotation is not None:
+                # Closed after the sync (the range spans the stage's kernels too, `kernel_profile.stage_busy`), and
+                # closed even when the sync raises (where an asynchronous CUDA error surfaces).
+                self._annotation.__exit__(None, None, None)
+                self._annotation = None
         elapsed = time.perf_counter() - self._started
-        if self._annotation is not None:
-            # Closed after the sync: the range spans the stage's kernels too (`kernel_profile.stage_busy`).
-            self._annotation.__exit__(None, None, None)
-            self._annotation = None
         self.count += 1
         self.sum_s += elapsed
         self.max_s = max(self.max_s, elapsed)
@@ -146,6 +149,9 @@ class StageProfiler:
         # `annotate`: each stage is also a `torch.profiler.record_function` range named STAGE_ANNOTATION + stage, so a
         # torch.profiler trace shows the stages and `kernel_profile` can bill kernels to them (bench --kernels).
         self.annotate = annotate and self.enabled
+        if self.annotate and not sync:
+            # Unsynchronised stages end before their kernels: the kernels would be billed to later stages.
+            raise ValueError("StageProfiler: annotate=True needs sync=True")
         self.label = label
         self._sink = sink
         self._timers: dict[str, _StageTimer] = {}
