@@ -26,7 +26,8 @@ profiler on (it synchronises after every stage, so those steps are slower; the s
 and with `--kernels N` the N kernels that take the most device time over a few more steps, run under
 `torch.profiler` (`kernel_profile.py`: busy time against step time, then ms, share and calls per kernel, then per
 stage its synchronised wall time against its kernels' busy time; `--trace-dir` also writes each phase's Chrome
-trace, the stages in it as `stage:NAME` ranges).
+trace, the stages in it as `stage:NAME` ranges: steps whose stages wait for their kernels, so the trace shows no
+overlap of host and GPU across stages).
 Timing follows benchmarks/METHOD: warm-up steps first, then the median of timed steps, each bracketed by device
 synchronisation. Results go to stdout and, with `--out`, to a JSON file.
 """
