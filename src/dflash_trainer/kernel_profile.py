@@ -21,8 +21,9 @@ Per stage (`stages`), when `run` enters the trainer's stages under an annotating
 and the device time of the kernels that start inside it (CPU: the own time of the ops that start inside it). A
 kernel starts after the launch that queued it, and a synchronised stage ends only when its kernels have, so each
 kernel falls in the range of the stage that launched it; stages do not nest. (A few small kernels launched between
-stages, such as the metrics' accumulations, start in the next stage's range and are billed to it.) A stage whose kernels fill a small part
-of its wall time is bound by the host (launches, Python, guards), which is what the step table alone cannot say.
+stages, such as the metrics' accumulations, start in the next stage's range and are billed to it.) A stage whose
+kernels fill a small part of its wall time is bound by the host (launches, Python, guards), which is what the step
+table alone cannot say.
 """
 
 from __future__ import annotations
