@@ -162,3 +162,55 @@ def test_one_run_plots_into_out_when_given(tmp_path):
         "lr.png",
         "tau.png",
     ]
+
+
+def prompt_records(committed: list[int], steps: list[int], prefix: str = "p") -> list[dict]:
+    return [
+        {"id": f"{prefix}{i}", "committed": c, "steps": s}
+        for i, (c, s) in enumerate(zip(committed, steps, strict=True))
+    ]
+
+
+def test_the_ratio_gets_a_paired_bootstrap_interval_over_the_shared_prompts():
+    """The interval resamples the prompts both runs evaluated, the same draw for both: a run that commits 6/5 of
+    the other's tokens per forward on every prompt has no spread at all, however unequal the prompts; a noisy one
+    has an interval around its pooled ratio; too few or no shared prompts give none."""
+    from dflash_trainer.eval.compare import MIN_PAIRED, paired_ratio_interval
+
+    rng = np.random.default_rng(1)
+    steps = rng.integers(40, 120, size=40).tolist()
+    committed = [int(s * t) for s, t in zip(steps, rng.uniform(1.5, 6.0, size=40), strict=True)]
+    exact = paired_ratio_interval(
+        prompt_records(committed, steps), prompt_records([6 * c for c in committed], [5 * s for s in steps])
+    )
+    assert exact is not None and exact[0] == pytest.approx(1.2) and exact[1] == pytest.approx(1.2)
+
+    noisy_committed = [int(c * f) for c, f in zip(committed, rng.uniform(0.8, 1.6, size=40), strict=True)]
+    first, other = prompt_records(committed, steps), prompt_records(noisy_committed, steps)
+    low, high = paired_ratio_interval(first, other)
+    point = (sum(noisy_committed) / sum(steps)) / (sum(committed) / sum(steps))
+    assert low < point < high and high - low > 0.02
+    assert paired_ratio_interval(first, other) == (low, high)  # seeded
+    # Shared prompts only: a run with other ids, or too few shared, gets no interval.
+    assert paired_ratio_interval(first, prompt_records(noisy_committed, steps, prefix="q")) is None
+    assert paired_ratio_interval(first[: MIN_PAIRED - 1], other) is None
+
+
+def test_the_table_shows_the_interval_where_both_reports_keep_their_prompts(tmp_path):
+    from dflash_trainer.eval.compare import comparison_table
+
+    steps = [50 + 3 * i for i in range(20)]
+    committed = [2 * s + i for i, s in enumerate(steps)]
+    runs = []
+    for name, scale in (("dflash", 1), ("dflash2", 2)):
+        run = tmp_path / name
+        (run / "eval").mkdir(parents=True)
+        records = prompt_records([scale * c for c in committed], steps)
+        tau = sum(r["committed"] for r in records) / sum(steps)
+        datasets = [{"name": "gsm8k", "num_prompts": 20, "tau": tau, "tau_per_prompt": tau, "prompts": records}]
+        datasets.append({"name": "mtbench", "num_prompts": 20, "tau": 3.0, "tau_per_prompt": 3.0})  # no records
+        (run / "eval" / "eval.json").write_text(json.dumps({"datasets": datasets}))
+        runs.append(str(run))
+    table = comparison_table(runs).splitlines()
+    assert table[2].endswith("| 2.00x (2.00-2.00) |"), table[2]
+    assert table[3].endswith("| 1.00x |"), table[3]

@@ -7,6 +7,13 @@ first also gets the ratio of its pooled tau to the first run's, the comparison a
 bf16, DFlash2 against DFlash). A run without a report, or whose report lacks a dataset, shows "-" there: a
 comparison never fails for one missing evaluation. Reports are compared as they are: whether the runs evaluated the
 same prompts (`eval.num_prompts`, the datasets) is for the reader to see in the prompts column.
+
+Where both reports keep per-prompt records (`prompts`: id, committed tokens, target forwards) for at least
+`MIN_PAIRED` of the same prompt ids, the ratio gets a 95 % interval from a paired bootstrap: the shared prompts are
+drawn with replacement `RESAMPLES` times (the same draw for both runs, so prompt difficulty cancels) and the pooled
+ratio sum(committed) / sum(forwards) of the draw is taken each time; the interval is its 2.5th to 97.5th
+percentile. It measures how much the ratio depends on which prompts were drawn, not the training's seed-to-seed
+spread, which needs runs with other seeds. Seeded, so a table is reproducible.
 """
 
 from __future__ import annotations
@@ -15,7 +22,12 @@ import json
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from .runner import REPORT_FILE
+
+MIN_PAIRED = 10  # fewer shared prompts: no interval (a bootstrap of a handful says little)
+RESAMPLES = 4000
 
 
 def read_report(path: str | Path) -> dict[str, Any]:
@@ -46,11 +58,38 @@ def comparison_table(paths: list[str]) -> str | None:
         prompts = "/".join(sorted({str(row["num_prompts"]) for row in rows if row and "num_prompts" in row}))
         cells = [f"{row['tau']:.2f} ({row['tau_per_prompt']:.2f})" if row else "-" for row in rows]
         first = rows[0]
-        ratios = [
-            f"{row['tau'] / first['tau']:.2f}x" if row and first and first["tau"] > 0 else "-" for row in rows[1:]
-        ]
+        ratios = [_ratio_cell(first, row) for row in rows[1:]]
         lines.append("| " + " | ".join([name, prompts or "-", *cells, *ratios]) + " |")
     return "\n".join(lines)
+
+
+def _ratio_cell(first: dict | None, row: dict | None) -> str:
+    if not (row and first and first["tau"] > 0):
+        return "-"
+    cell = f"{row['tau'] / first['tau']:.2f}x"
+    interval = paired_ratio_interval(first.get("prompts") or [], row.get("prompts") or [])
+    return cell if interval is None else f"{cell} ({interval[0]:.2f}-{interval[1]:.2f})"
+
+
+def paired_ratio_interval(
+    first: list[dict[str, Any]], other: list[dict[str, Any]], *, resamples: int = RESAMPLES, seed: int = 0
+) -> tuple[float, float] | None:
+    """The 95 % paired-bootstrap interval of `other`'s pooled tau over `first`'s on the prompts both evaluated
+    (module docstring); None with fewer than `MIN_PAIRED` shared prompts or a draw without forwards."""
+    by_id = {record["id"]: record for record in first}
+    pairs = [(by_id[record["id"]], record) for record in other if record["id"] in by_id]
+    if len(pairs) < MIN_PAIRED:
+        return None
+    # [2, P] committed tokens and forwards of each run, prompt by prompt.
+    base = np.array([[a["committed"], a["steps"]] for a, _ in pairs], dtype=np.float64).T
+    test = np.array([[b["committed"], b["steps"]] for _, b in pairs], dtype=np.float64).T
+    draws = np.random.default_rng(seed).integers(0, len(pairs), size=(resamples, len(pairs)))  # [N, P]
+    base_sums, test_sums = base[:, draws].sum(axis=2), test[:, draws].sum(axis=2)  # [2, N]
+    if (base_sums[1] == 0).any() or (test_sums[1] == 0).any() or (base_sums[0] == 0).any():
+        return None
+    ratios = (test_sums[0] / test_sums[1]) / (base_sums[0] / base_sums[1])
+    low, high = np.percentile(ratios, [2.5, 97.5])
+    return float(low), float(high)
 
 
 def _labels(paths: list[str]) -> list[str]:
