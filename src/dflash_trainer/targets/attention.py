@@ -76,9 +76,10 @@ class PackedAttention:
         self.max_seqlen = 0
         self.varlen_gqa_keyword = False
         if backend == "varlen":
-            self.cu_seqlens, self.max_seqlen = layout.cu_seqlens(), layout.max_seqlen()
             if fixed_sizes:
-                self.cu_seqlens, self.max_seqlen = fixed_size_boundaries(self.cu_seqlens, layout.segment_ids.shape)
+                self.cu_seqlens, self.max_seqlen = fixed_size_boundaries(layout.cu_seqlens(), layout.segment_ids.shape)
+            else:
+                self.cu_seqlens, self.max_seqlen = layout.cu_seqlens(), layout.max_seqlen()
             # torch >= 2.12 asks for GQA explicitly; 2.10/2.11 pass the KV heads straight to the kernel.
             self.varlen_gqa_keyword = "enable_gqa" in (_varlen_parameters() or ())
         else:
