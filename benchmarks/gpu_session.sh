@@ -15,6 +15,8 @@
 #   LATENCY_EVAL=0: none)
 #   (THEN_OVERRIDES="k=v ...": after it, on GPU 0 and on its answers, the same job with these overrides added, e.g.
 #   `drafter.fp8=true`: a comparison on one GPU and one set of answers; logged and collected as the candidate)
+#   (or ALONGSIDE="k=v ...": the same, but at the same time as the main job on its GPU, once it has logged a step:
+#   two quality results on one set of answers in one job's time, neither's speed a measurement)
 #   (RECIPE=NAME: GPU 0 trains that recipe instead of the default, e.g. RECIPE=smollm2-135m-gpu-dflash2 with
 #   PROMPTS=/tmp/mix-math-48k.jsonl.gz, that recipe's prompts, copied in as `.mix` instead of `.mixw2`)
 #   (or SWEEP=1: benchmarks/quality_sweep.sh on GPU 1, one run at a time, on the main job's data (the math-first
@@ -195,6 +197,19 @@ case "$STAGE" in
         python3 -m dflash_trainer train ${RECIPE:-} $SOURCE ${MAIN_OVERRIDES:-} $THEN_OVERRIDES; \
         rc=\$?; date +%s > $RES/candidate.end; exit \$rc)"
       echo "started: main job on GPU 0, then on its answers the same with: $THEN_OVERRIDES"
+    elif [ -n "${ALONGSIDE:-}" ]; then
+      # At the same time as the main job, on its GPU and its answers: the same recipe and overrides plus ALONGSIDE,
+      # from $REPO2 with $REPO's data copied in once the main job has logged its first step (answers and shards are
+      # complete by then). Two quality results on one set of answers in one job's time; the two share the GPU, so
+      # neither one's speed is a measurement. Logged and collected as the candidate.
+      echo "${RECIPE:-} ${MAIN_OVERRIDES:-} $ALONGSIDE" > "$RES/candidate.overrides"
+      bg candidate "(until [ -s \"\$(ls $REPO/runs/*/metrics.jsonl 2>/dev/null | head -n 1)\" ]; do \
+        [ -f $RES/main.rc ] && exit 3; sleep 10; done; \
+        rm -rf $REPO2/data && cp -r $REPO/data $REPO2/ && cd $REPO2 && \
+        export CUDA_VISIBLE_DEVICES=0 OMP_NUM_THREADS=8 PYTHONPATH=$REPO2/src:$SITE && date +%s > $RES/candidate.start && \
+        python3 -m dflash_trainer train ${RECIPE:-} $SOURCE ${MAIN_OVERRIDES:-} $ALONGSIDE; \
+        rc=\$?; date +%s > $RES/candidate.end; exit \$rc)"
+      echo "started: main job on GPU 0 and, once it trains, beside it on the same GPU and answers: $ALONGSIDE"
     elif [ "$GPUS" -gt 1 ] && [ -n "${CANDIDATE:-}" ]; then
       echo "$CANDIDATE" > "$RES/candidate.overrides"
       bg candidate "cd $REPO2 && export CUDA_VISIBLE_DEVICES=1 OMP_NUM_THREADS=8 PYTHONPATH=$REPO2/src:$SITE && \
