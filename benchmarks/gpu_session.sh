@@ -16,7 +16,7 @@
 #   (THEN_OVERRIDES="k=v ...": after it, on GPU 0 and on its answers, the same job with these overrides added, e.g.
 #   `drafter.fp8=true`: a comparison on one GPU and one set of answers; logged and collected as the candidate)
 #   (or ALONGSIDE="k=v ...": the same, but at the same time as the main job on its GPU, once it has logged a step:
-#   two quality results on one set of answers in one job's time, neither's speed a measurement)
+#   two quality results on one set of answers, neither's speed a measurement; about 1.18x the work per second)
 #   (RECIPE=NAME: GPU 0 trains that recipe instead of the default, e.g. RECIPE=smollm2-135m-gpu-dflash2 with
 #   PROMPTS=/tmp/mix-math-48k.jsonl.gz, that recipe's prompts, copied in as `.mix` instead of `.mixw2`)
 #   (or SWEEP=1: benchmarks/quality_sweep.sh on GPU 1, one run at a time, on the main job's data (the math-first
@@ -200,8 +200,9 @@ case "$STAGE" in
     elif [ -n "${ALONGSIDE:-}" ]; then
       # At the same time as the main job, on its GPU and its answers: the same recipe and overrides plus ALONGSIDE,
       # from $REPO2 with $REPO's data copied in once the main job has logged its first step (answers and shards are
-      # complete by then). Two quality results on one set of answers in one job's time; the two share the GPU, so
-      # neither one's speed is a measurement. Logged and collected as the candidate.
+      # complete by then). Two quality results on one set of answers; the two share the GPU, so neither one's speed is
+      # a measurement, and together they do only about 1.18x the work per second of one after the other (SmolLM2's
+      # DFlash and DFlash2, 2026-12-04): the saving is small, THEN_OVERRIDES times both. Logged as the candidate.
       echo "${RECIPE:-} ${MAIN_OVERRIDES:-} $ALONGSIDE" > "$RES/candidate.overrides"
       bg candidate "(until [ -s \"\$(ls $REPO/runs/*/metrics.jsonl 2>/dev/null | head -n 1)\" ]; do \
         [ -f $RES/main.rc ] && exit 3; sleep 10; done; \

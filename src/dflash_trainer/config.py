@@ -723,13 +723,43 @@ def load_config(recipe: str | Path | None = None, overrides: list[str] | tuple[s
     rebuilt with `config_from_dict`, which skips the rules for new runs)."""
     tree: dict[str, Any] = {}
     if recipe is not None:
-        tree = _read_recipe(Path(recipe))
+        tree = _read_recipe_with_bases(Path(recipe))
     for text in overrides:
         path_parts, value = _parse_override(text)
         _set_dotted(tree, path_parts, value)
     config = _build(RunConfig, tree)
     config.prepare.check_source_holds_no_evaluation_prompts()
     return config
+
+
+def _read_recipe_with_bases(path: Path, seen: tuple[Path, ...] = ()) -> dict[str, Any]:
+    """The recipe's mapping with its `base:` applied: `base: NAME` (a file beside it, `.yaml` optional) is read first
+    and this recipe's keys are merged over it, section by section, so a variant names only what it changes (a run
+    config is then the same as if the base's keys had been copied in; the saved config holds no `base`). Bases may
+    have bases; a cycle is a ConfigError."""
+    path = path.resolve()
+    if path in seen:
+        chain = " -> ".join(p.name for p in (*seen, path))
+        raise ConfigError(f"recipe {path}: its bases form a cycle ({chain})")
+    tree = _read_recipe(path)
+    base = tree.pop("base", None)
+    if base is None:
+        return tree
+    if not isinstance(base, str) or not base:
+        raise ConfigError(f"recipe {path}: base must be the name of another recipe, got {base!r}")
+    base_path = path.parent / (base if base.endswith((".yaml", ".yml")) else f"{base}.yaml")
+    return _merged(_read_recipe_with_bases(base_path, (*seen, path)), tree)
+
+
+def _merged(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
+    """`over` on top of `base`: mappings merge key by key, anything else (values, lists) replaces."""
+    merged = dict(base)
+    for key, value in over.items():
+        if isinstance(value, dict) and isinstance(merged.get(key), dict):
+            merged[key] = _merged(merged[key], value)
+        else:
+            merged[key] = value
+    return merged
 
 
 def _read_recipe(path: Path) -> dict[str, Any]:
