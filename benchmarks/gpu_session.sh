@@ -34,10 +34,12 @@
 #                                                the default static layout and in the layers' one, with clocks)
 #   bash benchmarks/gpu_session.sh wait S                    report every minute for up to S seconds; when every job
 #                                                has ended and $OUT is set, `collect` into $OUT at once;
-#                                                still running at S: the logs and metrics so far in $OUT/partial
+#                                                still running at S: the logs and metrics so far in $OUT/partial,
+#                                                and once per machine the finished answers (answers.partNN,
+#                                                for `answers` [.answers] on a later machine; KEEP_ANSWERS=0: not)
 #   bash benchmarks/gpu_session.sh collect                   pack logs and results (no weights) into $OUT
 #                                                (KEEP_ANSWERS=1: the main job's answers too, `data/*-chat`'s
-#                                                regen-00000.jsonl and regen.json as tar.xz in 15 MiB parts
+#                                                regen-00000.jsonl and regen.json as tar.gz in 15 MiB parts
 #                                                $OUT/answers.partNN, for a later machine)
 #   bash benchmarks/gpu_session.sh answers   [.answers]      between `start` and `main`: those parts, copied into
 #                                                `.answers/`, into both trees: the jobs then skip regeneration
@@ -145,6 +147,15 @@ hybrid_command() {
 smoke_command() {
   echo "PYTHONPATH=$REPO/src:$SITE timeout 300 python3 -m pytest -q -x -m gpu -p no:cacheprovider \
     tests/test_gpu.py tests/test_packed_target_gpu.py tests/test_top_k_ids.py -k 'not hybrid'"
+}
+
+# The main job's answers (the merged `regen-00000.jsonl` and `regen.json` of `data/*-chat`) as tar.gz in 15 MiB parts
+# $1/answers.partNN, for the `answers` stage on a later machine. Fails (status 1) while the answering still runs.
+# gzip, not xz: a few seconds for the ~70 MB of answers where xz takes most of a minute, inside a `wait`'s limit.
+pack_answers() {
+  ls "$REPO"/data/*-chat/regen-00000.jsonl > /dev/null 2>&1 || return 1
+  (cd "$REPO" && tar czf /tmp/answers-out.tar.gz data/*-chat/regen-00000.jsonl data/*-chat/regen.json) &&
+    split -b 15M -d /tmp/answers-out.tar.gz "$1/answers.part"
 }
 
 case "$STAGE" in
@@ -293,20 +304,22 @@ case "$STAGE" in
           [ -f "$metrics" ] && cp "$metrics" "$OUT/partial/$(basename "$repo")-$(basename "$(dirname "$metrics")").jsonl"
         done
       done
+      # The answers too, once, as soon as they are complete (KEEP_ANSWERS=0: not): a host lost later in the job then
+      # costs the training, not the answering, whose parts go into `.answers/` for the next machine.
+      if [ "${KEEP_ANSWERS:-1}" = 1 ] && [ ! -f "$RES/answers.returned" ] && pack_answers "$OUT/partial"; then
+        touch "$RES/answers.returned"
+      fi
     fi
     ;;
   answers)
-    cat .answers/answers.part* > /tmp/answers.tar.xz
-    for repo in "$REPO" "$REPO2"; do python3 -m tarfile -e /tmp/answers.tar.xz "$repo"; done
+    cat .answers/answers.part* > /tmp/answers.tar.gz  # older parts are tar.xz: tarfile reads either
+    for repo in "$REPO" "$REPO2"; do python3 -m tarfile -e /tmp/answers.tar.gz "$repo"; done
     ls -la "$REPO"/data/*-chat
     ;;
   collect)
     OUT=${OUT:-/tmp/out}
     mkdir -p "$OUT"
-    if [ "${KEEP_ANSWERS:-0}" = 1 ]; then
-      (cd "$REPO" && python3 -m tarfile -c /tmp/answers-out.tar.xz data/*-chat/regen-00000.jsonl data/*-chat/regen.json)
-      split -b 15M -d /tmp/answers-out.tar.xz "$OUT/answers.part"
-    fi
+    if [ "${KEEP_ANSWERS:-0}" = 1 ]; then pack_answers "$OUT"; fi
     # Every job's log first, whatever state it ended in (a job that failed before training has no runs/).
     for job in main candidate sweep bench hybrid; do
       [ -f "$RES/$job.log" ] && tr '\r' '\n' < "$RES/$job.log" | grep -v '^\s*$' > "$OUT/$job.log"

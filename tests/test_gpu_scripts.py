@@ -62,3 +62,75 @@ bg() {{ local name=$1; shift; bash -c "{{ $*; }} > $RES/$name.log 2>&1; echo \\$
     for line in runs:  # the export's path whole, one prompt at a time, the drafter compiled as eval's default has it
         assert "--drafter runs/a b/export --num-prompts 24" in line and "--batch-size 1" in line
         assert "compile-drafter" not in line
+
+
+def _function(name: str) -> str:
+    """A shell function of gpu_session.sh, whole."""
+    lines = (ROOT / "benchmarks" / "gpu_session.sh").read_text().splitlines()
+    start = lines.index(f"{name}() {{")
+    return "\n".join(lines[start : lines.index("}", start) + 1])
+
+
+def test_the_answers_pack_only_when_complete_and_unpack_as_the_answers_stage_does(tmp_path):
+    chat = tmp_path / "repo" / "data" / "mix-chat"
+    chat.mkdir(parents=True)
+    (chat / "regen.partial.jsonl").write_text('{"index": 0}\n')  # still answering: nothing to pack
+    pack = f"set -u\nREPO={tmp_path / 'repo'}\n{_function('pack_answers')}\npack_answers {tmp_path}"
+    assert subprocess.run(["bash", "-c", pack], capture_output=True).returncode == 1
+    assert not list(tmp_path.glob("answers.part*"))
+    (chat / "regen.partial.jsonl").unlink()
+    (chat / "regen-00000.jsonl").write_text('{"index": 0, "messages": []}\n')
+    (chat / "regen.json").write_text('{"complete": true}\n')
+    subprocess.run(["bash", "-c", pack], check=True)
+    # The `answers` stage: the parts concatenated, extracted into a tree.
+    parts = sorted(tmp_path.glob("answers.part*"))
+    (tmp_path / "answers.tar.gz").write_bytes(b"".join(part.read_bytes() for part in parts))
+    subprocess.run(
+        ["python3", "-m", "tarfile", "-e", str(tmp_path / "answers.tar.gz"), str(tmp_path / "new")], check=True
+    )
+    for name in ("regen-00000.jsonl", "regen.json"):
+        assert (tmp_path / "new" / "data" / "mix-chat" / name).read_text() == (chat / name).read_text()
+
+
+def _alongside_block() -> str:
+    """The lines of gpu_session.sh's `main` stage that start the ALONGSIDE job."""
+    lines = (ROOT / "benchmarks" / "gpu_session.sh").read_text().splitlines()
+    start = lines.index('    elif [ -n "${ALONGSIDE:-}" ]; then') + 1
+    end = next(i for i in range(start, len(lines)) if lines[i].lstrip().startswith('echo "started:'))
+    return "\n".join(lines[start:end])
+
+
+@pytest.mark.parametrize("main_trained", [True, False], ids=["main-trains", "main-failed-first"])
+def test_the_alongside_job_starts_once_the_main_job_trains_on_its_data(tmp_path, main_trained):
+    repo, repo2 = tmp_path / "repo", tmp_path / "repo2"
+    (repo / "data" / "shards").mkdir(parents=True)
+    (repo / "data" / "shards" / "shard-0").write_text("tokens")
+    repo2.mkdir()
+    if main_trained:
+        (repo / "runs" / "r").mkdir(parents=True)
+        (repo / "runs" / "r" / "metrics.jsonl").write_text('{"step": 1}\n')
+    else:
+        (tmp_path / "main.rc").write_text("1\n")
+    fake_python = tmp_path / "bin" / "python3"
+    fake_python.parent.mkdir()
+    fake_python.write_text('#!/bin/sh\necho "TRAIN $*"; ls data/shards\n')
+    fake_python.chmod(0o755)
+    harness = f"""
+set -u
+RES={tmp_path} REPO={repo} REPO2={repo2} SITE=/nowhere SOURCE="prepare.source=/p.jsonl.gz prepare.shares={{}}"
+MAIN_OVERRIDES="eval.num_prompts=80" ALONGSIDE="drafter.fp8=true"
+export PATH={fake_python.parent}:$PATH
+bg() {{ local name=$1; shift; bash -c "{{ $*; }} > $RES/$name.log 2>&1; echo \\$? > $RES/$name.rc"; }}
+{_alongside_block()}
+"""
+    subprocess.run(["bash", "-c", harness], check=True, cwd=tmp_path, timeout=60)
+    log = (tmp_path / "candidate.log").read_text().splitlines()
+    if main_trained:  # on the main job's data (copied), with the main job's overrides and its own after them
+        assert (tmp_path / "candidate.rc").read_text().strip() == "0"
+        assert log == [
+            "TRAIN -m dflash_trainer train prepare.source=/p.jsonl.gz prepare.shares={} eval.num_prompts=80 "
+            "drafter.fp8=true",
+            "shard-0",
+        ]
+    else:  # the main job ended without a step: nothing to train on, and the job says so by its status
+        assert (tmp_path / "candidate.rc").read_text().strip() == "3" and log == []
