@@ -150,10 +150,13 @@ smoke_command() {
 }
 
 # The main job's answers (the merged `regen-00000.jsonl` and `regen.json` of `data/*-chat`) as tar.gz in 15 MiB parts
-# $1/answers.partNN, for the `answers` stage on a later machine. Fails (status 1) while the answering still runs.
+# $1/answers.partNN, for the `answers` stage on a later machine. Fails (status 1) until the answering is complete
+# (`regen.json` says so; the merged file is written just before it).
 # gzip, not xz: a few seconds for the ~70 MB of answers where xz takes most of a minute, inside a `wait`'s limit.
 pack_answers() {
   ls "$REPO"/data/*-chat/regen-00000.jsonl > /dev/null 2>&1 || return 1
+  python3 -c 'import json, sys; sys.exit(0 if all(json.load(open(p)).get("complete") for p in sys.argv[1:]) else 1)' \
+    "$REPO"/data/*-chat/regen.json 2> /dev/null || return 1
   (cd "$REPO" && tar czf /tmp/answers-out.tar.gz data/*-chat/regen-00000.jsonl data/*-chat/regen.json) &&
     split -b 15M -d /tmp/answers-out.tar.gz "$1/answers.part"
 }
@@ -187,15 +190,18 @@ case "$STAGE" in
     # the latency a single user sees, which the job's own evaluation at a large batch does not show. The eval.json
     # lands in $RES/eval-b1, the table in main.log.
     latency=""
-    if [ "${LATENCY_EVAL:-1}" = 1 ]; then
+    # Not beside an ALONGSIDE job: a latency measured on a GPU another job trains on would measure nothing.
+    if [ "${LATENCY_EVAL:-1}" = 1 ] && [ -z "${ALONGSIDE:-}" ]; then
       latency="[ \$rc != 0 ] || { export_dir=\$(grep -o 'exported drafter (vLLM / SGLang format): .*' $RES/main.log | \
         tail -n 1 | sed 's/.*: //'); timeout 420 python3 -m dflash_trainer eval --drafter \"\$export_dir\" \
         --num-prompts 24 --max-new-tokens 256 --batch-size 1 --out $RES/eval-b1; };"
     fi
     # main.rc is the training's exit status; the latency evaluations run only after a training that succeeded.
+    rm -f "$RES/main.start"  # an earlier main job's stamp would date this one's metrics (ALONGSIDE waits on it)
     bg main "$first cd $REPO && export CUDA_VISIBLE_DEVICES=0 OMP_NUM_THREADS=8 PYTHONPATH=$REPO/src:$SITE && \
       date +%s > $RES/main.start && python3 -m dflash_trainer train ${RECIPE:-} $SOURCE ${MAIN_OVERRIDES:-}; \
       rc=\$?; date +%s > $RES/main.end; $latency (exit \$rc)"
+    [ -n "${THEN_OVERRIDES:-}" ] && [ -n "${ALONGSIDE:-}" ] && echo "THEN_OVERRIDES and ALONGSIDE are both set: THEN_OVERRIDES runs"
     if [ -n "${THEN_OVERRIDES:-}" ]; then
       # After the main job (and its latency evaluation), on GPU 0 and on its answers: the same recipe and overrides
       # plus THEN_OVERRIDES, from $REPO2 with $REPO's data copied in (answers and shards, so no regeneration), e.g. a
@@ -215,7 +221,8 @@ case "$STAGE" in
       # a measurement, and together they do only about 1.18x the work per second of one after the other (SmolLM2's
       # DFlash and DFlash2, 2026-12-04): the saving is small, THEN_OVERRIDES times both. Logged as the candidate.
       echo "${RECIPE:-} ${MAIN_OVERRIDES:-} $ALONGSIDE" > "$RES/candidate.overrides"
-      bg candidate "(until [ -s \"\$(ls $REPO/runs/*/metrics.jsonl 2>/dev/null | head -n 1)\" ]; do \
+      [ -z "${CANDIDATE:-}" ] && [ "${SWEEP:-0}" = 0 ] || echo "ALONGSIDE is set: no CANDIDATE or SWEEP job"
+      bg candidate "(until [ -n \"\$(find $REPO/runs -name metrics.jsonl -size +0 -newer $RES/main.start 2>/dev/null)\" ]; do \
         [ -f $RES/main.rc ] && exit 3; sleep 10; done; \
         rm -rf $REPO2/data && cp -r $REPO/data $REPO2/ && cd $REPO2 && \
         export CUDA_VISIBLE_DEVICES=0 OMP_NUM_THREADS=8 PYTHONPATH=$REPO2/src:$SITE && date +%s > $RES/candidate.start && \
@@ -298,7 +305,10 @@ case "$STAGE" in
     # before the next `wait` still leaves the run's curve.
     if [ "${done_all:-0}" = 0 ] && [ -n "${OUT:-}" ]; then
       mkdir -p "$OUT/partial"
-      cp "$RES"/*.log "$OUT/partial/" 2>/dev/null
+      # The jobs' own logs only (at most 8 files come back; the benchmarks' logs go in `collect`'s results.tgz).
+      for job in main candidate sweep bench hybrid; do
+        [ -f "$RES/$job.log" ] && cp "$RES/$job.log" "$OUT/partial/"
+      done
       for repo in "$REPO" "$REPO2"; do
         for metrics in "$repo"/runs/*/metrics.jsonl; do
           [ -f "$metrics" ] && cp "$metrics" "$OUT/partial/$(basename "$repo")-$(basename "$(dirname "$metrics")").jsonl"
@@ -319,7 +329,10 @@ case "$STAGE" in
   collect)
     OUT=${OUT:-/tmp/out}
     mkdir -p "$OUT"
-    if [ "${KEEP_ANSWERS:-0}" = 1 ]; then pack_answers "$OUT"; fi
+    # The answers, unless a `wait` returned them already (KEEP_ANSWERS=1: again; 0: never).
+    if [ "${KEEP_ANSWERS:-}" = 1 ] || { [ "${KEEP_ANSWERS:-1}" = 1 ] && [ ! -f "$RES/answers.returned" ]; }; then
+      pack_answers "$OUT" && touch "$RES/answers.returned"
+    fi
     # Every job's log first, whatever state it ended in (a job that failed before training has no runs/).
     for job in main candidate sweep bench hybrid; do
       [ -f "$RES/$job.log" ] && tr '\r' '\n' < "$RES/$job.log" | grep -v '^\s*$' > "$OUT/$job.log"

@@ -147,9 +147,10 @@ def test_a_recipe_with_a_base_is_the_base_with_its_keys_merged_over(tmp_path):
     (tmp_path / "parent.yaml").write_text("run_dir: runs/parent\noptim:\n  lr: 1.0e-3\n  weight_decay: 0.1\n")
     (tmp_path / "child.yaml").write_text("base: parent\nrun_dir: runs/child\noptim:\n  lr: 2.0e-3\n")
     (tmp_path / "grandchild.yaml").write_text("base: child.yaml\ndrafter:\n  num_layers: 3\n")
-    config = load_config(tmp_path / "grandchild.yaml", ["optim.weight_decay=0.2"])
+    config = load_config(tmp_path / "grandchild.yaml")
     assert config.run_dir == "runs/child" and config.drafter.num_layers == 3
-    assert config.optim.lr == 2e-3 and config.optim.weight_decay == 0.2  # merged per key, overrides last
+    assert config.optim.lr == 2e-3 and config.optim.weight_decay == 0.1  # merged per key: the base's other keys stay
+    assert load_config(tmp_path / "grandchild.yaml", ["optim.weight_decay=0.2"]).optim.weight_decay == 0.2
     parent = load_config(tmp_path / "parent.yaml")
     assert (parent.optim.lr, parent.optim.weight_decay) == (1e-3, 0.1)
     assert "base" not in config_to_dict(config)
@@ -159,8 +160,9 @@ def test_a_recipe_with_a_base_is_the_base_with_its_keys_merged_over(tmp_path):
     ("files", "message"),
     [
         ({"a.yaml": "base: b\n", "b.yaml": "base: a\n"}, r"cycle \(a.yaml -> b.yaml -> a.yaml\)"),
-        ({"a.yaml": "base: missing\n"}, r"missing.yaml: file not found"),
+        ({"a.yaml": "base: missing\n"}, r"a.yaml: its base 'missing' is not a file \(.*missing.yaml\)"),
         ({"a.yaml": "base: [b]\n"}, "base must be the name of another recipe"),
+        ({"a.yaml": "base:\n"}, "base must be the name of another recipe, got None"),
     ],
 )
 def test_recipe_bases_that_cannot_be_read_are_config_errors(tmp_path, files, message):
@@ -170,6 +172,11 @@ def test_recipe_bases_that_cannot_be_read_are_config_errors(tmp_path, files, mes
         load_config(tmp_path / "a.yaml")
 
 
+def test_base_is_not_an_override():
+    with pytest.raises(ConfigError, match="a recipe file names its base recipe"):
+        load_config(None, ["base=smollm2-135m"])
+
+
 def test_the_general_dflash_recipe_is_the_main_job_with_a_dflash_drafter():
     main_job = config_to_dict(load_config(RECIPES / "smollm2-135m-gpu-general.yaml"))
     dflash = config_to_dict(load_config(RECIPES / "smollm2-135m-gpu-general-dflash.yaml"))
@@ -177,3 +184,6 @@ def test_the_general_dflash_recipe_is_the_main_job_with_a_dflash_drafter():
     assert dflash["data"] == main_job["data"] and dflash["prepare"] == main_job["prepare"]  # the same answers
     assert dflash["train"] == main_job["train"] and dflash["optim"] == main_job["optim"]  # the same budget
     assert dflash["run_dir"] != main_job["run_dir"]
+    # Everything else is the main job's: only the algorithm and the loss's chunking differ.
+    assert {**dflash["drafter"], "algorithm": "dflash2"} == main_job["drafter"]
+    assert {**dflash["loss"], "chunk_blocks": 512} == main_job["loss"] and dflash["eval"] == main_job["eval"]

@@ -4,7 +4,9 @@ scripts run on machines reached by short commands, where a job that never starts
 
 from __future__ import annotations
 
+import os
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -80,6 +82,8 @@ def test_the_answers_pack_only_when_complete_and_unpack_as_the_answers_stage_doe
     assert not list(tmp_path.glob("answers.part*"))
     (chat / "regen.partial.jsonl").unlink()
     (chat / "regen-00000.jsonl").write_text('{"index": 0, "messages": []}\n')
+    (chat / "regen.json").write_text('{"complete": false}\n')  # merged, not yet marked done
+    assert subprocess.run(["bash", "-c", pack], capture_output=True).returncode == 1
     (chat / "regen.json").write_text('{"complete": true}\n')
     subprocess.run(["bash", "-c", pack], check=True)
     # The `answers` stage: the parts concatenated, extracted into a tree.
@@ -106,24 +110,35 @@ def test_the_alongside_job_starts_once_the_main_job_trains_on_its_data(tmp_path,
     (repo / "data" / "shards").mkdir(parents=True)
     (repo / "data" / "shards" / "shard-0").write_text("tokens")
     repo2.mkdir()
-    if main_trained:
-        (repo / "runs" / "r").mkdir(parents=True)
-        (repo / "runs" / "r" / "metrics.jsonl").write_text('{"step": 1}\n')
-    else:
-        (tmp_path / "main.rc").write_text("1\n")
-    fake_python = tmp_path / "bin" / "python3"
-    fake_python.parent.mkdir()
-    fake_python.write_text('#!/bin/sh\necho "TRAIN $*"; ls data/shards\n')
-    fake_python.chmod(0o755)
+    # An earlier run's metrics, older than this main job's start stamp, must not start the job.
+    (repo / "runs" / "old").mkdir(parents=True)
+    (repo / "runs" / "old" / "metrics.jsonl").write_text('{"step": 9}\n')
+    (tmp_path / "main.start").write_text("0\n")
+    os.utime(repo / "runs" / "old" / "metrics.jsonl", (1, 1))
+    os.utime(tmp_path / "main.start", (2, 2))
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "python3").write_text('#!/bin/sh\necho "TRAIN $*"; ls data/shards\n')
+    (bin_dir / "sleep").write_text("#!/bin/sh\nexec /bin/sleep 0.05\n")  # the job's 10 s poll, shortened
+    for tool in bin_dir.iterdir():
+        tool.chmod(0o755)
     harness = f"""
 set -u
 RES={tmp_path} REPO={repo} REPO2={repo2} SITE=/nowhere SOURCE="prepare.source=/p.jsonl.gz prepare.shares={{}}"
 MAIN_OVERRIDES="eval.num_prompts=80" ALONGSIDE="drafter.fp8=true"
-export PATH={fake_python.parent}:$PATH
+export PATH={bin_dir}:$PATH
 bg() {{ local name=$1; shift; bash -c "{{ $*; }} > $RES/$name.log 2>&1; echo \\$? > $RES/$name.rc"; }}
 {_alongside_block()}
 """
-    subprocess.run(["bash", "-c", harness], check=True, cwd=tmp_path, timeout=60)
+    job = subprocess.Popen(["bash", "-c", harness], cwd=tmp_path)
+    time.sleep(0.5)
+    assert job.poll() is None  # still waiting: no metrics of this main job yet
+    if main_trained:
+        (repo / "runs" / "new").mkdir()
+        (repo / "runs" / "new" / "metrics.jsonl").write_text('{"step": 1}\n')
+    else:
+        (tmp_path / "main.rc").write_text("1\n")
+    assert job.wait(timeout=30) == 0
     log = (tmp_path / "candidate.log").read_text().splitlines()
     if main_trained:  # on the main job's data (copied), with the main job's overrides and its own after them
         assert (tmp_path / "candidate.rc").read_text().strip() == "0"

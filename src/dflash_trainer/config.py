@@ -726,6 +726,8 @@ def load_config(recipe: str | Path | None = None, overrides: list[str] | tuple[s
         tree = _read_recipe_with_bases(Path(recipe))
     for text in overrides:
         path_parts, value = _parse_override(text)
+        if path_parts == ["base"]:
+            raise ConfigError("base: a recipe file names its base recipe; on the command line name the recipe itself")
         _set_dotted(tree, path_parts, value)
     config = _build(RunConfig, tree)
     config.prepare.check_source_holds_no_evaluation_prompts()
@@ -742,12 +744,14 @@ def _read_recipe_with_bases(path: Path, seen: tuple[Path, ...] = ()) -> dict[str
         chain = " -> ".join(p.name for p in (*seen, path))
         raise ConfigError(f"recipe {path}: its bases form a cycle ({chain})")
     tree = _read_recipe(path)
-    base = tree.pop("base", None)
-    if base is None:
+    if "base" not in tree:
         return tree
+    base = tree.pop("base")
     if not isinstance(base, str) or not base:
         raise ConfigError(f"recipe {path}: base must be the name of another recipe, got {base!r}")
     base_path = path.parent / (base if base.endswith((".yaml", ".yml")) else f"{base}.yaml")
+    if not base_path.is_file():
+        raise ConfigError(f"recipe {path}: its base {base!r} is not a file ({base_path})")
     return _merged(_read_recipe_with_bases(base_path, (*seen, path)), tree)
 
 
