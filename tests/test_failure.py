@@ -191,3 +191,32 @@ def test_a_rank_stopping_for_anothers_failure_waits_for_its_recorded_status(tmp_
     never = tmp_path / "never"
     never.write_text("")
     assert not _status_recorded(never, timeout_s=0.2)  # a first rank that could not write: the real status
+
+
+def test_the_watcher_outlasts_a_busy_store_and_stops_when_it_is_gone(monkeypatch):
+    """A few store errors in a row (a busy store's timeouts) keep the watcher polling, so a failure recorded after
+    them still stops this rank; only errors past STORE_ERRORS_TO_STOP in a row (the store's host gone) end it."""
+    from dflash_trainer.distributed import failure
+
+    class FlakyStore:
+        def __init__(self, answers):
+            self.answers = list(answers)
+
+        def check(self, keys):
+            answer = self.answers.pop(0) if self.answers else RuntimeError("gone")
+            if isinstance(answer, Exception):
+                raise answer
+            return answer
+
+        def get(self, key):
+            return b"1:bug"
+
+    stops = []
+    monkeypatch.setattr(failure, "GRACE_S", 0.0)
+    monkeypatch.setattr(failure, "_exit_after", stops.append)
+    busy = [RuntimeError("timeout")] * (failure.STORE_ERRORS_TO_STOP - 1) + [False, True]
+    failure.FailureChannel(FlakyStore(busy), rank=0, label="rank 0")._watch(poll_s=0.0)
+    assert stops == ["bug"]  # rank 1's failure, seen after the store answered again
+    stops.clear()
+    failure.FailureChannel(FlakyStore([]), rank=0, label="rank 0")._watch(poll_s=0.0)  # returns: the store is gone
+    assert stops == []

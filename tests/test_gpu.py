@@ -205,3 +205,18 @@ def test_compiled_selector_term_on_gpu_matches_its_eager_self_in_bf16():
         else:
             scale = a.float().abs().max().clamp_min(1e-6)
             assert (a.float() - b.float()).abs().max() <= 2e-2 * scale, name
+
+
+def test_reading_a_steps_flags_waits_for_that_step_only():
+    """`StepFlags.read` one step later must not wait for the work queued since (the next step's forward and
+    backward): its copy to pinned memory and the event behind it are what it waits on."""
+    from dflash_trainer.train.trainer import StepFlags
+
+    flags = torch.tensor([0.0, 1.0], device="cuda")
+    pending = StepFlags.queue(step=1, flags=flags, sample_ids=["a"])
+    torch.cuda._sleep(1_000_000_000)  # about half a second of device time queued behind the flags
+    later = torch.cuda.Event()
+    later.record()
+    assert pending.read() == (0.0, 1.0)
+    assert not later.query()  # the read returned while the later work still ran
+    torch.cuda.synchronize()

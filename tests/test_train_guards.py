@@ -86,3 +86,10 @@ def test_periodic_eval_logs_tau(tmp_path, setup):
     taus = [(r["step"], r["eval_tau"]) for r in records if "eval_tau" in r]
     assert [step for step, _ in taus] == [2, 4]
     assert all(tau >= 1.0 for _, tau in taus)
+
+
+def test_step_flags_on_the_cpu_read_their_values_without_a_copy():
+    from dflash_trainer.train.trainer import StepFlags
+
+    pending = StepFlags.queue(step=3, flags=torch.tensor([1.0, 0.0]), sample_ids=["s"])
+    assert pending.copied is None and pending.read() == (1.0, 0.0)

@@ -59,6 +59,9 @@ from .world import World
 
 POLL_S = 1.0
 GRACE_S = 2.0
+# Store errors in a row before the watcher takes the store as gone: one slow answer from a busy store (a timeout)
+# must not end the watching for the rest of the job.
+STORE_ERRORS_TO_STOP = 5
 # How long a rank stopping for another's failure waits for that rank to record the job's status (`_exit_after`).
 STATUS_WAIT_S = 10.0
 # Store operations on the failure path must not hold up the exit for long.
@@ -162,12 +165,18 @@ class FailureChannel:
         threading.Thread(target=self._watch, args=(poll_s,), name="dflash-failure-watch", daemon=True).start()
 
     def _watch(self, poll_s: float) -> None:
+        errors_in_a_row = 0
         while not self._stop_watching.wait(poll_s):
             try:
                 first = self.first_failure()
             except (RuntimeError, dist.DistError):
-                # The store's host is gone (a normal end on a job without an agent store): nothing left to watch.
-                return
+                # Several in a row: the store's host is gone (a normal end on a job without an agent store), nothing
+                # left to watch. Fewer: a busy store answered late; keep watching.
+                errors_in_a_row += 1
+                if errors_in_a_row >= STORE_ERRORS_TO_STOP:
+                    return
+                continue
+            errors_in_a_row = 0
             if first is not None and first[0] != self.rank:
                 time.sleep(GRACE_S)
                 print(f"[{self.label}] stopping because rank {first[0]} {_WHAT_HAPPENED[first[1]]}", file=sys.stderr)

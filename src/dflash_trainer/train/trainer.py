@@ -11,7 +11,8 @@ and checkpoints save the position of the last step *trained* (what a resume must
 sampler's own.
 
 Host syncs. None inside a step; on log steps the metric counters are converted (`_log_step`), and each step
-reads the previous step's flags (below), a sync on work the device finished while this step was being queued.
+reads the previous step's flags (below) through their own copy to pinned memory and its event (`StepFlags`), a
+sync on work the device finished while this step was being queued.
 Non-finite steps and stop agreement: after backward, each step computes device flags [non-finite loss or
 gradient, stop requested on this rank], MAX-reduced over the ranks of the group (a device-side collective); the
 flags' first entry is fused AdamW's `found_inf`, so a non-finite step skips its update on the device (weights
@@ -163,11 +164,36 @@ class StepWork:
 
 @dataclass
 class StepFlags:
-    """One step's device flags [non-finite, stop] (reduced over ranks), read on the host later."""
+    """One step's device flags [non-finite, stop] (reduced over ranks), read on the host later.
+
+    On CUDA the flags are copied to pinned host memory as soon as they are queued, an event recorded behind the copy:
+    `read` waits for that event, i.e. for the step that made them and nothing queued since. A `.tolist()` of the
+    device tensor one step later would copy on the current stream, behind the next step's forward and backward,
+    so the host would wait for those too and the device would idle while the host queued the optimizer and the step
+    after."""
 
     step: int
-    flags: torch.Tensor  # [2] float32
+    flags: torch.Tensor  # [2] float32, on the device
     sample_ids: list[str]
+    host: torch.Tensor  # [2] float32 on the host (pinned on CUDA), filled once `copied` completes
+    copied: torch.cuda.Event | None  # None: `host` holds the values already (a CPU run)
+
+    @classmethod
+    def queue(cls, step: int, flags: torch.Tensor, sample_ids: list[str]) -> StepFlags:
+        if not flags.is_cuda:
+            return cls(step, flags, sample_ids, host=flags, copied=None)
+        host = torch.empty(flags.shape, dtype=flags.dtype, pin_memory=True)
+        host.copy_(flags, non_blocking=True)
+        copied = torch.cuda.Event()
+        copied.record()
+        return cls(step, flags, sample_ids, host=host, copied=copied)
+
+    def read(self) -> tuple[float, float]:
+        """(non-finite, stop) on the host: a sync on this step's copy only."""
+        if self.copied is not None:
+            self.copied.synchronize()
+        nonfinite, stop = self.host.tolist()
+        return nonfinite, stop
 
 
 class Trainer:
@@ -540,12 +566,12 @@ class Trainer:
                 # optim.grad_clip 0 or null is off: an infinite bound measures the norm and scales by 1.
                 torch.nn.utils.clip_grad_norm_(self.drafter.parameters(), self.config.optim.grad_clip or math.inf)
             )
-            flags = StepFlags(
+            flags = StepFlags.queue(
                 step=self.step + 1,
                 flags=self._step_flags(grad_norm, step_metrics.loss_sum),
                 sample_ids=[sid for batch in micro_batches for sid in batch.sample_ids],
             )
-            # The previous step's flags: its work is done or nearly (this step's is queued behind it).
+            # The previous step's flags: its copy was done before this step's work began on the device.
             self._settle_flags()
             self._pending_flags = flags
             if self._skip_on_device:
@@ -585,7 +611,7 @@ class Trainer:
         pending, self._pending_flags = self._pending_flags, None
         if pending is None:
             return True
-        nonfinite, stop = pending.flags.tolist()
+        nonfinite, stop = pending.read()
         self.stop_agreed = self.stop_agreed or stop > 0
         if nonfinite > 0:
             self._handle_nonfinite(pending)
