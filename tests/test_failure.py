@@ -195,7 +195,7 @@ def test_a_rank_stopping_for_anothers_failure_waits_for_its_recorded_status(tmp_
 
 def test_the_watcher_outlasts_a_busy_store_and_stops_when_it_is_gone(monkeypatch):
     """A few store errors in a row (a busy store's timeouts) keep the watcher polling, so a failure recorded after
-    them still stops this rank; only errors past STORE_ERRORS_TO_STOP in a row (the store's host gone) end it."""
+    them still stops this rank; STORE_ERRORS_TO_STOP in a row (the store's host gone) end it."""
     from dflash_trainer.distributed import failure
 
     class FlakyStore:
@@ -214,9 +214,17 @@ def test_the_watcher_outlasts_a_busy_store_and_stops_when_it_is_gone(monkeypatch
     stops = []
     monkeypatch.setattr(failure, "GRACE_S", 0.0)
     monkeypatch.setattr(failure, "_exit_after", stops.append)
-    busy = [RuntimeError("timeout")] * (failure.STORE_ERRORS_TO_STOP - 1) + [False, True]
-    failure.FailureChannel(FlakyStore(busy), rank=0, label="rank 0")._watch(poll_s=0.0)
-    assert stops == ["bug"]  # rank 1's failure, seen after the store answered again
-    stops.clear()
-    failure.FailureChannel(FlakyStore([]), rank=0, label="rank 0")._watch(poll_s=0.0)  # returns: the store is gone
-    assert stops == []
+
+    def watch(answers):
+        stops.clear()
+        watcher = threading.Thread(
+            target=failure.FailureChannel(FlakyStore(answers), rank=0, label="rank 0")._watch, args=(0.0,)
+        )
+        watcher.start()
+        watcher.join(timeout=10)
+        assert not watcher.is_alive()  # a store that stays gone ends the watching
+        return list(stops)
+
+    timeouts = [RuntimeError("timeout")] * (failure.STORE_ERRORS_TO_STOP - 1)
+    assert watch([*timeouts, False, True]) == ["bug"]  # rank 1's failure, seen once the store answered again
+    assert watch([*timeouts, RuntimeError("timeout"), True]) == []  # one more error in a row: the store is gone

@@ -207,16 +207,24 @@ def test_compiled_selector_term_on_gpu_matches_its_eager_self_in_bf16():
             assert (a.float() - b.float()).abs().max() <= 2e-2 * scale, name
 
 
-def test_reading_a_steps_flags_waits_for_that_step_only():
-    """`StepFlags.read` one step later must not wait for the work queued since (the next step's forward and
-    backward): its copy to pinned memory and the event behind it are what it waits on."""
+@pytest.mark.parametrize("index", [0, 1], ids=["current-device", "another-device"])
+def test_reading_a_steps_flags_waits_for_that_step_only(index):
+    """`StepFlags.read` one step later must wait for the step that made the flags (right values) and not for the
+    work queued since (the next step's forward and backward), also for flags on a device other than the current
+    one (a one-process run on `cuda:1`)."""
     from dflash_trainer.train.trainer import StepFlags
 
-    flags = torch.tensor([0.0, 1.0], device="cuda")
-    pending = StepFlags.queue(step=1, flags=flags, sample_ids=["a"])
-    torch.cuda._sleep(1_000_000_000)  # about half a second of device time queued behind the flags
-    later = torch.cuda.Event()
-    later.record()
-    assert pending.read() == (0.0, 1.0)
-    assert not later.query()  # the read returned while the later work still ran
-    torch.cuda.synchronize()
+    if index >= torch.cuda.device_count():
+        pytest.skip("needs a second GPU")
+    device = torch.device("cuda", index)
+    values = torch.tensor([0.0, 1.0], device=device)
+    with torch.cuda.device(device):
+        torch.cuda._sleep(200_000_000)  # the step's own work: the flags exist only after it
+        flags = values + 0
+        pending = StepFlags.queue(step=1, flags=flags, sample_ids=["a"])
+        torch.cuda._sleep(1_000_000_000)  # the next step's work, about half a second of device time
+        later = torch.cuda.Event()
+        later.record()
+    assert pending.read() == (0.0, 1.0)  # waited for the flags
+    assert not later.query()  # and returned while the later work still ran
+    torch.cuda.synchronize(device)

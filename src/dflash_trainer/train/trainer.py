@@ -185,7 +185,7 @@ class StepFlags:
         host = torch.empty(flags.shape, dtype=flags.dtype, pin_memory=True)
         host.copy_(flags, non_blocking=True)
         copied = torch.cuda.Event()
-        copied.record()
+        copied.record(torch.cuda.current_stream(flags.device))  # the copy's stream: flags' device, not the current one
         return cls(step, flags, sample_ids, host=host, copied=copied)
 
     def read(self) -> tuple[float, float]:
