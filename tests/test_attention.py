@@ -223,6 +223,55 @@ def test_mask_mod_stays_int32():
         assert dtypes == {torch.int32, torch.bool}
 
 
+@pytest.mark.parametrize("dynamic", [None, True])
+def test_compiled_flex_captures_the_window_as_a_bare_symbol(dynamic):
+    """Compiled, a window below the block size reaches flex as a SymInt (the layers compile with dynamic=True; a second
+    window recompiles the shared flex with it dynamic). What the mask captures must be graph inputs: Inductor's flex
+    lowering cannot take an expression computed from one (`-window` broke the H200 GPU test of window 3 after 24)."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    graphs = []
+
+    def record(graph_module, example_inputs):
+        graphs.append(graph_module.graph)
+        return graph_module.forward
+
+    torch._dynamo.reset()
+    compiled = torch.compile(flex_attention, dynamic=dynamic, backend=record)
+    config = tiny_drafter_config(hidden_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=32)
+    # Rows of a new length each call: the context length turns symbolic too, as in training.
+    for length, window, causal in ((300, 24, True), (260, 3, False), (340, 2, True)):
+        batch = random_packed_batch(config, rows=2, length=length, max_anchors=16, seed=3)
+        variant = MaskVariant(window=window, causal_in_block=causal)
+        mask = build_masks(
+            anchors=batch.anchors,
+            anchor_keep=batch.anchor_keep,
+            doc_ids=batch.doc_ids,
+            block_size=4,
+            variants=[variant],
+            backend="flex",
+            builder="anchors",
+            tile=128,
+        ).for_variant(variant)
+        q_len, kv_len = mask.seq_lengths
+        q = torch.randn(2, 4, q_len, 32)
+        k, v = torch.randn(2, 2, kv_len, 32), torch.randn(2, 2, kv_len, 32)
+        compiled(q, k, v, block_mask=mask, enable_gqa=True)
+    torch._dynamo.reset()
+    flex_calls = [
+        node for graph in graphs for node in graph.nodes if node.target is torch.ops.higher_order.flex_attention
+    ]
+    assert len(flex_calls) >= 2  # the window-3 call recompiled: the case that matters was traced
+    symbolic_captures = 0
+    for call in flex_calls:
+        for captured in call.args[-1]:  # the mask_mod's captured buffers
+            assert isinstance(captured, torch.fx.Node)
+            if not isinstance(captured.meta.get("example_value"), torch.Tensor):
+                symbolic_captures += 1
+                assert captured.op == "placeholder", f"flex captures {captured.format_node()}, computed in the graph"
+    assert symbolic_captures >= 1  # the window did become a symbol: the check above checked something
+
+
 def test_mask_never_leaves_a_query_without_keys():
     anchors, keep, doc_ids = random_mask_inputs(4, 0)
     keep[:, 0] = False

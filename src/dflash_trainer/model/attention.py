@@ -149,7 +149,11 @@ def mask_from_ranges(
         block = (kv_idx >= own) & own_end
         if block_window:
             slots_apart = kv_idx - context_len - q_idx  # j - k for key slot j, query slot k
-            block = block & (slots_apart > -window)
+            # `+ window > 0`, never `> -window`: compiled, the window may be a SymInt (the layers compile with
+            # dynamic=True; a second window recompiles the shared flex), and dynamo would compute `-window` outside
+            # the mask's graph and pass the expression in as a captured buffer, which Inductor's flex lowering
+            # cannot take ("'ShapeAsConstantBuffer' object has no attribute 'dtype'"). A bare SymInt it can.
+            block = block & (slots_apart + window > 0)
             if not causal_in_block:
                 block = block & (slots_apart < window)
         return context | block
