@@ -9,7 +9,15 @@ import numpy as np
 import pytest
 
 from dflash_trainer.cli import main
-from dflash_trainer.train.plot import PlotError, _smoothed, plot_run, plot_runs
+from dflash_trainer.train.plot import (
+    PlotError,
+    _log_loss_axis,
+    _plot_compared,
+    _plot_loss,
+    _smoothed,
+    plot_run,
+    plot_runs,
+)
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -97,6 +105,17 @@ def test_moving_average_matches_a_direct_window_mean():
     expected = [np.nanmean(values[max(0, index - window + 1) : index + 1]) for index in range(len(values))]
     np.testing.assert_allclose(smooth, expected)
     assert _smoothed(values[:10]) is None
+
+
+def test_a_loss_falling_a_decade_or_more_gets_a_log_axis_and_a_flat_one_does_not():
+    falling = [{"step": step, "loss": 13.0 * 0.9**step} for step in range(1, 60)]  # 11.7 -> 0.03
+    flat = [{"step": step, "loss": 6.0 * (1 - 0.008 * step)} for step in range(1, 60)]  # 5.95 -> 3.2
+    assert _plot_loss(falling).axes[0].get_yscale() == "log"
+    assert _plot_loss(flat).axes[0].get_yscale() == "linear"
+    compared = _plot_compared(
+        [("a", flat), ("b", falling)], train_name="loss", eval_name="eval_loss", ylabel="loss", title="Loss"
+    )
+    assert _log_loss_axis(compared).axes[0].get_yscale() == "log"  # the span of all runs together decides
 
 
 def test_several_runs_are_overlaid_in_one_plot_each(tmp_path, capsys):

@@ -30,6 +30,7 @@ PLOTS_DIR = "plots"
 # Smooth the noisy per-step training curves only when there are enough points for a trend to be visible.
 SMOOTH_MIN_POINTS = 20
 SMOOTH_WINDOW_FRACTION = 0.05
+LOG_AXIS_MIN_SPAN = 10.0  # loss curves spanning this factor or more get a log axis
 
 Record = dict[str, object]
 
@@ -51,7 +52,10 @@ def plot_runs(run_dirs: list[str | Path], out_dir: str | Path) -> list[Path]:
     `compare-tau.png`); return the PNG paths written."""
     runs = [(str(run_dir), run_records(Path(run_dir))) for run_dir in run_dirs]
     figures = [
-        ("compare-loss", _plot_compared(runs, train_name="loss", eval_name="eval_loss", ylabel="loss", title="Loss")),
+        (
+            "compare-loss",
+            _log_loss_axis(_plot_compared(runs, train_name="loss", eval_name="eval_loss", ylabel="loss", title="Loss")),
+        ),
         (
             "compare-tau",
             _plot_compared(
@@ -211,7 +215,22 @@ def _plot_compared(
 
 
 def _plot_loss(records: list[Record]) -> Figure | None:
-    return _plot_train_and_eval(records, train_name="loss", eval_name="eval_loss", ylabel="loss", title="Loss")
+    return _log_loss_axis(
+        _plot_train_and_eval(records, train_name="loss", eval_name="eval_loss", ylabel="loss", title="Loss")
+    )
+
+
+def _log_loss_axis(figure: Figure | None) -> Figure | None:
+    """A loss that falls by a decade or more (13 at the first step, 0.15 at the end is usual) on a log axis: on a
+    linear one the first hundred steps take the whole height and the end, where runs differ, is a flat line."""
+    if figure is None:
+        return None
+    axes = figure.axes[0]
+    values = np.concatenate([np.asarray(line.get_ydata(), dtype=float) for line in axes.get_lines()])
+    values = values[np.isfinite(values) & (values > 0)]
+    if len(values) and values.max() >= LOG_AXIS_MIN_SPAN * values.min():
+        axes.set_yscale("log")
+    return figure
 
 
 def _plot_tau(records: list[Record]) -> Figure | None:
