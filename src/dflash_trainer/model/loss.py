@@ -130,9 +130,11 @@ def slot_weights(
 
 
 def expected_acceptance(correct_per_slot: Tensor, count_per_slot: Tensor) -> Tensor:
-    """E[tau] = 1 + sum_{k=1}^{B-1} prod_{j<=k} acc_j with conditional per-slot accuracies acc_j = correct_j /
-    count_j (0 where a slot was never counted, which ends the product). Both inputs [B]; slot 0 is ignored.
-    Returns a 0-dim tensor on the inputs' device (no host sync)."""
+    """E[tau] = 1 + sum_{k=1}^{B-1} prod_{j<=k} acc_j with the teacher-forced per-slot accuracies acc_j = correct_j /
+    count_j (0 where a slot was never counted, which ends the product). Unconditional: slot j counts whether or not
+    an earlier slot of its block missed, so the product is exact only for independent slots; misses correlated within
+    a block put it below the exact accepted length (`tau_prefix`). Both inputs [B]; slot 0 is ignored. Returns a
+    0-dim tensor on the inputs' device (no host sync)."""
     correct = correct_per_slot[1:].double()
     count = count_per_slot[1:].double()
     accuracy = torch.where(count > 0, correct / count.clamp_min(1.0), torch.zeros_like(correct))  # [B-1]

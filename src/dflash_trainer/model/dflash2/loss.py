@@ -119,7 +119,16 @@ class SelectorMetrics:
         return self.recall_per_slot.sum() / self.count_per_slot.sum().clamp_min(1.0)
 
     def expected_acceptance(self) -> Tensor:
-        """E[tau] with the selector: 1 + sum_k prod_{j<=k} acc_j of its per-slot accuracies."""
+        """E[tau] with the selector: 1 + sum_k prod_{j<=k} acc_j of its per-slot accuracies (`selector_tau`).
+
+        Not comparable with the base loss's E[tau] (`tau`, DFlash's argmax drafts): acc_j here is teacher-forced
+        over all valid slots, so it counts slot j right after an earlier miss of the same block (the gold predecessor
+        lets the selector recover), which the walk never gets to use; the product treats the slots as independent,
+        and the argmax drafter's misses, strongly correlated within a block, make its product fall further below its
+        exact tau than the selector's does. Compare `prefix_acceptance` (exact: the walk's accepted length on these
+        blocks, `tests/test_dflash2_consistency.py`) with the base's `tau_prefix`. On the GPU main job (EXPERIMENTS
+        #19 against DFlash #21): selector_tau / tau 4.72 / 3.50 = 1.35x, but selector_tau_prefix / tau_prefix
+        8.15 / 7.24 = 1.13x, and held out 1.15x (pooled over the three sets)."""
         return expected_acceptance(self.correct_per_slot, self.count_per_slot)
 
     def prefix_acceptance(self) -> Tensor:
