@@ -239,25 +239,27 @@ def test_compiled_flex_captures_the_window_as_a_bare_symbol(dynamic):
     torch._dynamo.reset()
     compiled = torch.compile(flex_attention, dynamic=dynamic, backend=record)
     config = tiny_drafter_config(hidden_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=32)
-    # Rows of a new length each call: the context length turns symbolic too, as in training.
-    for length, window, causal in ((300, 24, True), (260, 3, False), (340, 2, True)):
-        batch = random_packed_batch(config, rows=2, length=length, max_anchors=16, seed=3)
-        variant = MaskVariant(window=window, causal_in_block=causal)
-        mask = build_masks(
-            anchors=batch.anchors,
-            anchor_keep=batch.anchor_keep,
-            doc_ids=batch.doc_ids,
-            block_size=4,
-            variants=[variant],
-            backend="flex",
-            builder="anchors",
-            tile=128,
-        ).for_variant(variant)
-        q_len, kv_len = mask.seq_lengths
-        q = torch.randn(2, 4, q_len, 32)
-        k, v = torch.randn(2, 2, kv_len, 32), torch.randn(2, 2, kv_len, 32)
-        compiled(q, k, v, block_mask=mask, enable_gqa=True)
-    torch._dynamo.reset()
+    try:
+        # Rows of a new length each call: the context length turns symbolic too, as in training.
+        for length, window, causal in ((300, 24, True), (260, 3, False), (340, 2, True)):
+            batch = random_packed_batch(config, rows=2, length=length, max_anchors=16, seed=3)
+            variant = MaskVariant(window=window, causal_in_block=causal)
+            mask = build_masks(
+                anchors=batch.anchors,
+                anchor_keep=batch.anchor_keep,
+                doc_ids=batch.doc_ids,
+                block_size=4,
+                variants=[variant],
+                backend="flex",
+                builder="anchors",
+                tile=128,
+            ).for_variant(variant)
+            q_len, kv_len = mask.seq_lengths
+            q = torch.randn(2, 4, q_len, 32)
+            k, v = torch.randn(2, 2, kv_len, 32), torch.randn(2, 2, kv_len, 32)
+            compiled(q, k, v, block_mask=mask, enable_gqa=True)
+    finally:
+        torch._dynamo.reset()  # the recording backend's cache entries must not outlive the test
     flex_calls = [
         node for graph in graphs for node in graph.nodes if node.target is torch.ops.higher_order.flex_attention
     ]

@@ -116,6 +116,10 @@ def test_a_loss_falling_a_decade_or_more_gets_a_log_axis_and_a_flat_one_does_not
         [("a", flat), ("b", falling)], train_name="loss", eval_name="eval_loss", ylabel="loss", title="Loss"
     )
     assert _log_loss_axis(compared).axes[0].get_yscale() == "log"  # the span of all runs together decides
+    reaching_zero = [*falling, {"step": 60, "loss": 0.0}]  # would vanish from a log axis
+    assert _plot_loss(reaching_zero).axes[0].get_yscale() == "linear"
+    flat_with_low_eval = [*flat, {"step": 59, "eval_loss": 0.1}]  # the evaluation's markers count too
+    assert _plot_loss(flat_with_low_eval).axes[0].get_yscale() == "log"
 
 
 def test_several_runs_are_overlaid_in_one_plot_each(tmp_path, capsys):

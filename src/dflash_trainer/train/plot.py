@@ -227,8 +227,9 @@ def _log_loss_axis(figure: Figure | None) -> Figure | None:
         return None
     axes = figure.axes[0]
     values = np.concatenate([np.asarray(line.get_ydata(), dtype=float) for line in axes.get_lines()])
-    values = values[np.isfinite(values) & (values > 0)]
-    if len(values) and values.max() >= LOG_AXIS_MIN_SPAN * values.min():
+    values = values[np.isfinite(values)]
+    # A value at or below 0 (a loss that can reach it) would vanish from a log axis: linear then.
+    if len(values) and values.min() > 0 and values.max() >= LOG_AXIS_MIN_SPAN * values.min():
         axes.set_yscale("log")
     return figure
 

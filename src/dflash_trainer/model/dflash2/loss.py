@@ -126,9 +126,8 @@ class SelectorMetrics:
         lets the selector recover), which the walk never gets to use; the product treats the slots as independent,
         and the argmax drafter's misses, strongly correlated within a block, make its product fall further below its
         exact tau than the selector's does. Compare `prefix_acceptance` (exact: the walk's accepted length on these
-        blocks, `tests/test_dflash2_consistency.py`) with the base's `tau_prefix`. On the GPU main job (EXPERIMENTS
-        #19 against DFlash #21): selector_tau / tau 4.72 / 3.50 = 1.35x, but selector_tau_prefix / tau_prefix
-        8.15 / 7.24 = 1.13x, and held out 1.15x (pooled over the three sets)."""
+        blocks, `tests/test_dflash2_consistency.py`) with the base's `tau_prefix`: on the GPU main job the first
+        ratio read 1.35x against DFlash, the exact one 1.13x, held out 1.14-1.17x (benchmarks/EXPERIMENTS.md)."""
         return expected_acceptance(self.correct_per_slot, self.count_per_slot)
 
     def prefix_acceptance(self) -> Tensor:
