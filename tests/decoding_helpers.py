@@ -8,7 +8,7 @@ from typing import TypeVar
 
 import pytest
 import torch
-from transformers import PreTrainedModel, PreTrainedTokenizerBase
+from transformers import PreTrainedModel, PreTrainedTokenizerBase, Qwen3Config, Qwen3ForCausalLM
 from transformers.models.qwen3_5 import Qwen3_5ForCausalLM, Qwen3_5TextConfig
 
 from dflash_trainer.targets.loader import LoadedTarget
@@ -21,6 +21,23 @@ def seeded(build: Callable[[], T], seed: int) -> T:
     with torch.random.fork_rng():
         torch.manual_seed(seed)
         return build()
+
+
+def tiny_qwen3_target(seed: int = 0, vocab: int = 64) -> Qwen3ForCausalLM:
+    """A random 6-layer Qwen3 target of width 64 in eval mode, the DFlash2 decoding tests' verifier."""
+    config = Qwen3Config(
+        vocab_size=vocab,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=6,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=512,
+        tie_word_embeddings=False,
+        attn_implementation="sdpa",
+    )
+    return seeded(lambda: Qwen3ForCausalLM(config).eval(), seed)
 
 
 @pytest.fixture(autouse=True, scope="module")

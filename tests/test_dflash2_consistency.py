@@ -26,9 +26,9 @@ import itertools
 
 import pytest
 import torch
-from transformers import Qwen3Config, Qwen3ForCausalLM
+from transformers import Qwen3ForCausalLM
 
-from decoding_helpers import one_thread, seeded  # noqa: F401 (one_thread: autouse fixture)
+from decoding_helpers import one_thread, seeded, tiny_qwen3_target  # noqa: F401 (one_thread: autouse fixture)
 from dflash_trainer.decoding.plain import target_generate
 from dflash_trainer.decoding.speculative import SpeculativeDecoder
 from dflash_trainer.model.anchors import block_input_ids, block_labels, block_positions
@@ -41,22 +41,6 @@ from dflash_trainer.targets.capture import FeatureCapture
 VOCAB, HIDDEN, TOP_K = 64, 64, 16
 MASK = VOCAB - 1
 NEW_TOKENS = 60
-
-
-def tiny_target() -> Qwen3ForCausalLM:
-    config = Qwen3Config(
-        vocab_size=VOCAB,
-        hidden_size=HIDDEN,
-        intermediate_size=128,
-        num_hidden_layers=6,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        max_position_embeddings=512,
-        tie_word_embeddings=False,
-        attn_implementation="sdpa",
-    )
-    return seeded(lambda: Qwen3ForCausalLM(config).eval(), 0)
 
 
 def bigram_drafter(target: Qwen3ForCausalLM, sequence: list[int], block_size: int) -> DFlash2Drafter:
@@ -92,7 +76,7 @@ def bigram_drafter(target: Qwen3ForCausalLM, sequence: list[int], block_size: in
 
 @pytest.mark.parametrize("block_size", [4, 16])
 def test_training_metric_and_walk_equal_the_engine_block_by_block(block_size, monkeypatch):
-    target = tiny_target()
+    target = tiny_qwen3_target(0, VOCAB)
     gen = torch.Generator().manual_seed(0)
     torch.randint(0, VOCAB - 1, (8,), generator=gen)  # a prompt whose greedy output the bigram selector follows
     prompt = torch.randint(0, VOCAB - 1, (11,), generator=gen).tolist()

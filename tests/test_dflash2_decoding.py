@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import Qwen3Config, Qwen3ForCausalLM
+from transformers import Qwen3ForCausalLM
 
-from decoding_helpers import cpu_target, one_thread, seeded  # noqa: F401 (one_thread: autouse fixture)
+from decoding_helpers import cpu_target, one_thread, seeded, tiny_qwen3_target  # noqa: F401 (one_thread: autouse fixture)
 from dflash_trainer.data.prompts import load_prompt_set
 from dflash_trainer.decoding.plain import target_generate
 from dflash_trainer.decoding.speculative import SpeculativeDecoder
@@ -23,19 +23,7 @@ VOCAB, HIDDEN = 64, 64
 
 
 def target_model(seed: int = 0, vocab: int = VOCAB) -> Qwen3ForCausalLM:
-    config = Qwen3Config(
-        vocab_size=vocab,
-        hidden_size=HIDDEN,
-        intermediate_size=128,
-        num_hidden_layers=6,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        max_position_embeddings=512,
-        tie_word_embeddings=False,
-        attn_implementation="sdpa",
-    )
-    return seeded(lambda: Qwen3ForCausalLM(config).eval(), seed)
+    return tiny_qwen3_target(seed, vocab)
 
 
 def dflash2_drafter(target, *, block_size: int, mask_token_id: int = VOCAB - 1, seed: int = 0) -> DFlash2Drafter:
