@@ -143,8 +143,10 @@ def mask_from_ranges(
         anchor = hi[b, q_block]  # a for a kept block; a dropped one has lo = hi: no context at all
         context = (kv_idx >= lo[b, q_block]) & (kv_idx < anchor)
         if window is not None:
-            # The query sits at position p = a + q - n*B, the context key at kv: visible when p - kv < W.
-            context = context & (kv_idx - q_idx > anchor - own + (context_len - window))
+            # The query sits at position p = a + q - n*B, the context key at kv: visible when p - kv < W. Every
+            # term joins a tensor: no arithmetic of two sizes alone, which compiled could become a captured
+            # expression of SymInts (see `-window` below).
+            context = context & (kv_idx - q_idx + window > anchor - own + context_len)
         own_end = (kv_idx <= q_idx + context_len) if causal_in_block else (kv_idx < own + block_size)
         block = (kv_idx >= own) & own_end
         if block_window:
