@@ -23,20 +23,22 @@ def seeded(build: Callable[[], T], seed: int) -> T:
         return build()
 
 
+# The tiny targets' shape (6 layers of width 64), the vocabulary aside: the decoding and training tests' verifiers.
+TINY_TARGET_DIMS = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=6,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    max_position_embeddings=512,
+    tie_word_embeddings=False,
+)
+
+
 def tiny_qwen3_target(seed: int = 0, vocab: int = 64) -> Qwen3ForCausalLM:
-    """A random 6-layer Qwen3 target of width 64 in eval mode, the DFlash2 decoding tests' verifier."""
-    config = Qwen3Config(
-        vocab_size=vocab,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=6,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        max_position_embeddings=512,
-        tie_word_embeddings=False,
-        attn_implementation="sdpa",
-    )
+    """A random Qwen3 target of `TINY_TARGET_DIMS` in eval mode, the DFlash2 decoding tests' verifier."""
+    config = Qwen3Config(vocab_size=vocab, attn_implementation="sdpa", **TINY_TARGET_DIMS)
     return seeded(lambda: Qwen3ForCausalLM(config).eval(), seed)
 
 

@@ -13,7 +13,7 @@ import torch
 from torch import Tensor
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedModel, Qwen3Config, Qwen3ForCausalLM
 
-from decoding_helpers import cpu_target, one_thread, seeded  # noqa: F401 (one_thread: autouse fixture)
+from decoding_helpers import TINY_TARGET_DIMS, cpu_target, one_thread, seeded  # noqa: F401 (one_thread: autouse fixture)
 from dflash_trainer.data.prompts import Prompt, load_prompt_set
 from dflash_trainer.decoding.plain import target_generate
 from dflash_trainer.decoding.runs import BatchRun, GenerationResult
@@ -35,17 +35,7 @@ from dflash_trainer.targets.loader import LoadedTarget
 
 VOCAB = 64
 HIDDEN = 64
-DIMS = dict(
-    vocab_size=VOCAB,
-    hidden_size=HIDDEN,
-    intermediate_size=128,
-    num_hidden_layers=6,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=16,
-    max_position_embeddings=512,
-    tie_word_embeddings=False,
-)
+DIMS = dict(vocab_size=VOCAB, **TINY_TARGET_DIMS)
 
 
 def qwen3_target(seed: int = 0, **overrides) -> Qwen3ForCausalLM:

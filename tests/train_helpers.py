@@ -11,6 +11,7 @@ from safetensors.torch import load_file
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast, Qwen3_5TextConfig, Qwen3Config, Qwen3ForCausalLM
 
+from decoding_helpers import TINY_TARGET_DIMS
 from dflash_trainer.data.shards import ShardWriter
 from dflash_trainer.train import checkpoint as ckpt
 
@@ -21,17 +22,7 @@ MASK_TOKEN = VOCAB - 1
 def save_tiny_target(out_dir: Path, *, hybrid: bool = False, seed: int = 0) -> Path:
     """A random 6-layer target with a word-level tokenizer, saved like a Hub checkpoint."""
     torch.manual_seed(seed)
-    common = dict(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=6,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        max_position_embeddings=512,
-        tie_word_embeddings=False,
-    )
+    common = dict(vocab_size=VOCAB, **TINY_TARGET_DIMS)
     if hybrid:
         config = Qwen3_5TextConfig(
             **common,
