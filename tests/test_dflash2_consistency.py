@@ -38,7 +38,7 @@ from dflash_trainer.model.dflash2 import CandidateSelector, DFlash2Drafter, DFla
 from dflash_trainer.model.loss import dflash_loss
 from dflash_trainer.targets.capture import FeatureCapture
 
-VOCAB, HIDDEN, TOP_K = 64, 64, 16
+VOCAB, TOP_K = 64, 16
 MASK = VOCAB - 1
 NEW_TOKENS = 60
 

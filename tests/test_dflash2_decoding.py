@@ -8,7 +8,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import Qwen3ForCausalLM
 
 from decoding_helpers import cpu_target, one_thread, seeded, tiny_qwen3_target  # noqa: F401 (one_thread: autouse fixture)
 from dflash_trainer.data.prompts import load_prompt_set
@@ -19,11 +18,7 @@ from dflash_trainer.model.config import DrafterModelConfig
 from dflash_trainer.model.dflash2 import CandidateSelector, DFlash2Drafter, DFlash2ModelConfig
 from dflash_trainer.targets.loader import LoadedTarget
 
-VOCAB, HIDDEN = 64, 64
-
-
-def target_model(seed: int = 0, vocab: int = VOCAB) -> Qwen3ForCausalLM:
-    return tiny_qwen3_target(seed, vocab)
+VOCAB = 64
 
 
 def dflash2_drafter(target, *, block_size: int, mask_token_id: int = VOCAB - 1, seed: int = 0) -> DFlash2Drafter:
@@ -50,7 +45,7 @@ def prompts(count: int, seed: int = 0) -> list[list[int]]:
 
 @pytest.mark.parametrize("block_size", [4, 8])
 def test_dflash2_speculative_decoding_equals_greedy_and_drafts_from_the_walk(block_size, monkeypatch):
-    target = target_model()
+    target = tiny_qwen3_target(0, VOCAB)
     drafter = dflash2_drafter(target, block_size=block_size)
     walks, departures = [], []
     real_walk = CandidateSelector.walk
@@ -75,7 +70,7 @@ def test_dflash2_speculative_decoding_equals_greedy_and_drafts_from_the_walk(blo
 
 @pytest.fixture
 def chat_target(tiny_chat_tokenizer) -> LoadedTarget:
-    model = target_model(seed=5, vocab=len(tiny_chat_tokenizer))
+    model = tiny_qwen3_target(seed=5, vocab=len(tiny_chat_tokenizer))
     return cpu_target(model, tiny_chat_tokenizer, "tiny-qwen3")
 
 
@@ -109,7 +104,7 @@ def test_dflash2_in_captured_cuda_graphs_is_lossless(dtype, compiled):
     only at a near-tie (`verify_lossless`, DESIGN "Lossless check precision"). Also with the drafter's pieces
     compiled by Inductor (`compile_for_decoding`), whose kernels the captured graphs then replay."""
     device = torch.device("cuda")
-    target = target_model().to(device=device, dtype=dtype)
+    target = tiny_qwen3_target(0, VOCAB).to(device=device, dtype=dtype)
     drafter = dflash2_drafter(target, block_size=8).to(device=device, dtype=dtype)
     if compiled:
         drafter.compile_for_decoding()
