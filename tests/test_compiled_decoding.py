@@ -11,12 +11,12 @@ import shutil
 import pytest
 import torch
 
-from decoding_helpers import cpu_target, one_thread  # noqa: F401 (one_thread: autouse fixture)
+from decoding_helpers import cpu_target, one_thread, tiny_qwen3_target  # noqa: F401 (one_thread: autouse fixture)
 from dflash_trainer import cli
 from dflash_trainer.decoding.plain import target_generate_batch
 from dflash_trainer.decoding.speculative import SpeculativeDecoder
 from dflash_trainer.model.drafter import DFlashDrafter
-from test_dflash2_decoding import dflash2_drafter, target_model
+from test_dflash2_decoding import dflash2_drafter
 from test_dflash2_decoding import prompts as dflash2_prompts
 from test_speculative import drafter_for
 
@@ -46,7 +46,7 @@ class GraphCounter:
 @pytest.mark.parametrize("algorithm", ["dflash", "dflash2"])
 def test_the_compiled_drafter_drafts_what_the_eager_one_drafts(algorithm):
     torch._dynamo.reset()
-    target = target_model()
+    target = tiny_qwen3_target()
     eager = drafter_of(algorithm, target)
     compiled = copy.deepcopy(eager)
     counter = GraphCounter()
@@ -67,7 +67,7 @@ def test_the_compiled_drafter_drafts_what_the_eager_one_drafts(algorithm):
 def test_evaluate_compiles_the_drafter_when_asked_and_says_so(tiny_chat_tokenizer, tmp_path, monkeypatch, asked):
     from dflash_trainer.eval.runner import evaluate
 
-    model = target_model(vocab=len(tiny_chat_tokenizer))
+    model = tiny_qwen3_target(vocab=len(tiny_chat_tokenizer))
     target = cpu_target(model, tiny_chat_tokenizer, "tiny-qwen3")
     prompt_file = tmp_path / "prompts.jsonl"
     prompt_file.write_text(
@@ -140,7 +140,7 @@ def test_with_inductor_a_dflash2_step_runs_fewer_kernels():
     # the key (torch 2.13), and every later Inductor compile in the process then fails on it.
     with inductor_config.patch({"cpp.enable_kernel_profile": True}):
         torch._dynamo.reset()
-        target = target_model()
+        target = tiny_qwen3_target()
         eager = drafter_of("dflash2", target, block_size=8)
         compiled = copy.deepcopy(eager)
         compiled.compile_for_decoding()

@@ -129,13 +129,14 @@ def _decoding_rank(rank: int, store_file: str, out_dir: str) -> None:
     `gathered_for_decoding`, and its outputs against the unsharded drafter's."""
     import torch.distributed.fsdp._fully_shard._fsdp_param_group as param_group
 
+    from decoding_helpers import tiny_qwen3_target
     from dflash_trainer.decoding.speculative import SpeculativeDecoder
     from dflash_trainer.train.sharding import Fsdp2Sync
-    from test_dflash2_decoding import dflash2_drafter, prompts, target_model
+    from test_dflash2_decoding import dflash2_drafter, prompts
 
     dist.init_process_group("gloo", init_method=f"file://{store_file}", rank=rank, world_size=2)
     torch.set_num_threads(1)
-    target = target_model()
+    target = tiny_qwen3_target()
     drafter = dflash2_drafter(target, block_size=4, seed=1)
 
     def decode() -> list[list[int]]:
