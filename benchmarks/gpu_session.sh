@@ -147,7 +147,7 @@ hybrid_command() {
 smoke_command() {
   # Not -x: one failing test must not hide whether the others pass (a window test once hid the flags test behind it);
   # the timeout bounds a hot path broken everywhere.
-  echo "PYTHONPATH=$REPO/src:$SITE timeout 300 python3 -m pytest -q -rf -m gpu -p no:cacheprovider \
+  echo "PYTHONPATH=$REPO/src:$SITE timeout 300 python3 -m pytest -v -rf --tb=short -m gpu -p no:cacheprovider \
     tests/test_gpu.py tests/test_packed_target_gpu.py tests/test_top_k_ids.py -k 'not hybrid'"
 }
 
@@ -352,7 +352,9 @@ case "$STAGE" in
     ls -la "$OUT"
     ;;
   smoke)
-    cd "$REPO" && eval "$(smoke_command)" 2>&1 | tail -15
+    # The whole output into $RES too (`collect` packs it): the console shows its tail only, and a run cut by its time
+    # limit prints no failure summary, so the per-test lines (-v) are what names a failure then.
+    cd "$REPO" && eval "$(smoke_command)" 2>&1 | tee "$RES/smoke.log" | tail -15
     ;;
   disagg)
     # In the foreground (about 6 minutes for both settings); its JSON lands in $RES, packed by `collect` (copying
