@@ -85,21 +85,32 @@ def test_gpu_backends_give_the_dense_sdpa_features(backend, size, sliding):
     model = random_qwen3(size, sliding=sliding)
     layer_ids = [0, 1, 3]
     input_ids, doc_ids = packed_rows(LENGTHS, WIDTH)
+    exact = FeatureCapture(copy.deepcopy(model).float(), layer_ids, need_final_hidden=True, packed_attention="dense")
     dense = FeatureCapture(model, layer_ids, need_final_hidden=True, packed_attention="dense")
     fast = FeatureCapture(model, layer_ids, need_final_hidden=True, packed_attention=backend)
 
+    reference = exact.capture(input_ids, None, doc_ids)
     expected = dense.capture(input_ids, None, doc_ids)
     actual = fast.capture(input_ids, None, doc_ids)
 
+    def bound(bf16_dense: torch.Tensor, float32: torch.Tensor) -> float:
+        # bf16 kernels with other reduction orders than dense SDPA's: as far from float32 as the dense bf16 path, within
+        # 1.5x. At the mid size bf16 itself is ~1.15 % from float32 (the CPU's dense and flex paths alike; flex and
+        # dense 1.03 % from each other), so a fixed 1 % bound between the two bf16 paths sat on the noise. A mask
+        # that lets documents or windows leak is off by tens of percent.
+        return max(1.5 * relative_error(bf16_dense, float32), 1e-2)
+
     assert torch.isfinite(actual.features).all()
-    # bf16 kernels with other reduction orders: each differs from float32 by ~0.5% here; from each other by less.
-    assert relative_error(actual.features, expected.features) < 1e-2
-    assert relative_error(actual.final_hidden, expected.final_hidden) < 1e-2
-    # Per document, against the model's own causal SDPA on the document alone (real tokens only).
+    assert relative_error(actual.features, reference.features) < bound(expected.features, reference.features)
+    assert relative_error(actual.final_hidden, reference.final_hidden) < bound(
+        expected.final_hidden, reference.final_hidden
+    )
+    # Per document, against the float32 model on the document alone (real tokens only).
     start = 0
     for n in LENGTHS[2][:6]:
-        alone = dense.capture(input_ids[2:3, start : start + n]).features[0]
-        assert relative_error(actual.features[2, start : start + n], alone) < 1e-2
+        alone = exact.capture(input_ids[2:3, start : start + n]).features[0]
+        span = slice(start, start + n)
+        assert relative_error(actual.features[2, span], alone) < bound(expected.features[2, span], alone)
         start += n
 
 
