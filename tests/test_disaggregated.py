@@ -30,6 +30,8 @@ from dflash_trainer.distributed.transport import (
     FeatureReceiver,
     FeatureSender,
     NoticeBoard,
+    _Completions,
+    _Posted,
     send_notices,
 )
 from dflash_trainer.train import checkpoint as ckpt
@@ -475,3 +477,37 @@ def test_five_targets_three_drafters_a_killed_target_fails_every_rank_and_the_sa
     records = read_metrics(run_dir)
     assert [r["step"] for r in records] == list(range(1, STEPS + 1))
     assert [r["loss"] for r in records] == pytest.approx([r["loss"] for r in read_metrics(reference)], abs=1e-5)
+
+
+class _PolledWork:
+    """A stand-in for an NCCL work: completed after `polls` calls of `is_completed`; `wait` raises `error` if set
+    (a failed NCCL work reports itself completed too, and only `wait` says it failed)."""
+
+    def __init__(self, polls: int, error: BaseException | None = None) -> None:
+        self.polls, self.error, self.waited = polls, error, False
+
+    def is_completed(self) -> bool:
+        self.polls -= 1
+        return self.polls <= 0
+
+    def wait(self, timeout=None) -> bool:
+        assert self.polls <= 0, "a polled work must not be waited on before it completes (the stream would stall)"
+        self.waited = True
+        if self.error is not None:
+            raise self.error
+        return True
+
+
+def test_a_polled_send_that_completes_with_an_error_fails_the_poster():
+    """NCCL sends are polled, not waited on, until complete; a failed one completes too, so its error must still
+    reach the sender where it waits for the message (it was dropped: the sender went on as if delivered)."""
+    completions = _Completions("test-completions")
+    ok = _PolledWork(polls=3)
+    posted = completions.watch(_Posted(works=[(ok, True)]))
+    posted.wait(5.0, "message to rank 1")
+    assert ok.waited
+
+    failed = _PolledWork(polls=2, error=RuntimeError("NCCL communicator was aborted"))
+    posted = completions.watch(_Posted(works=[(_PolledWork(polls=1), True), (failed, True)]))
+    with pytest.raises(RuntimeError, match="aborted"):
+        posted.wait(5.0, "message to rank 1")

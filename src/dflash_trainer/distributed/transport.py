@@ -70,13 +70,19 @@ def _dtype_from_name(name: str) -> torch.dtype:
 
 
 def _wait_on_host(work: dist.Work, *, poll: bool) -> None:
-    """Block this thread until `work` is done: gloo works by waiting (nothing else completes them); NCCL works
-    by polling, because an NCCL `wait` would make this thread's CUDA stream, which is also the trainer's,
-    wait for the transfer and stall the next forward behind it."""
+    """Block this thread until `work` is done, and raise its error if it failed: gloo works by waiting (nothing
+    else completes them); NCCL works by polling, because an NCCL `wait` on a transfer still running would make this
+    thread's CUDA stream, which is also the trainer's, wait for it and stall the next forward behind it.
+
+    Completed is not succeeded: a work that failed (a peer gone, the communicator aborted) reports itself completed
+    too. So once polling sees it done, `wait` is called as well: the transfer is over, so the stream has nothing left
+    to wait for, and `wait` raises the work's error, which the poster re-raises where it waits (`_Posted`)."""
     if not poll:
         work.wait(_HELPER_WAIT)
+        return
     while not work.is_completed():
         time.sleep(0.0005)
+    work.wait()
 
 
 def _polls(group: dist.ProcessGroup | None) -> bool:
