@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from dflash_trainer.train import checkpoint as ckpt
 from train_helpers import save_tiny_target, write_counting_shards, write_recipe
 
 SRC = Path(__file__).resolve().parents[1] / "src"
@@ -228,3 +229,31 @@ def test_the_watcher_outlasts_a_busy_store_and_stops_when_it_is_gone(monkeypatch
     timeouts = [RuntimeError("timeout")] * (failure.STORE_ERRORS_TO_STOP - 1)
     assert watch([*timeouts, False, True]) == ["bug"]  # rank 1's failure, seen once the store answered again
     assert watch([*timeouts, RuntimeError("timeout"), True]) == []  # one more error in a row: the store is gone
+
+
+@pytest.mark.parametrize(
+    "placement",
+    [
+        pytest.param({}, id="colocated"),
+        pytest.param({"target_ranks": [0], "drafter_ranks": [1, 2]}, id="disaggregated", marks=pytest.mark.slow),
+    ],
+)
+def test_a_checkpoint_written_slower_than_the_rank_timeout_does_not_fail_the_job(tmp_path, data, placement):
+    """The other ranks wait for the main rank's checkpoint up to `checkpoint.timeout_s`, not `placement.timeout_s`
+    (a 27 GiB drafter state takes minutes on network storage): with a 2 s rank timeout, checkpoints that take 5 s
+    more to write (DFLASH_TEST_SLOW_WRITE) must not fail the job, colocated (the ranks' agreement after the write)
+    or disaggregated (the other drafter at the agreement; the target waiting for room and for the end notices)."""
+    target, shards = data
+    recipe = write_recipe(
+        tmp_path / "r.yaml",
+        tmp_path / "run",
+        target,
+        shards,
+        checkpoint={"every_steps": 2},
+        train={"max_steps": 3},
+        placement={"timeout_s": 2, **placement},
+    )
+    nproc = 3 if placement else 2
+    out, _, status = run_job(launcher(recipe, nproc), "step", env={"DFLASH_TEST_SLOW_WRITE": "checkpoint:5"})
+    assert status == 0, out
+    assert [p.name for p in ckpt.list_checkpoints(tmp_path / "run")] == ["step-00000002", "step-00000003"], out

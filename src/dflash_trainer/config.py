@@ -387,10 +387,15 @@ class CheckpointConfig:
     resume: str = "auto"
     # Resume although the checkpoint names another target.name_or_path (the same model moved elsewhere).
     allow_target_change: bool = False
+    # Seconds the other ranks wait for the main rank to write a checkpoint before failing the job. Writing takes
+    # longer than a step: the 27B seed job's drafter state is 27 GiB, minutes on network storage, past
+    # placement.timeout_s (the bound of every other wait between ranks).
+    timeout_s: float = 1800.0
 
     def validate(self) -> None:
         _require(self.every_steps >= 1, "checkpoint.every_steps", "must be >= 1")
         _require(self.keep_last >= 1, "checkpoint.keep_last", "must be >= 1")
+        _require(self.timeout_s > 0, "checkpoint.timeout_s", "must be > 0")
 
 
 @dataclass

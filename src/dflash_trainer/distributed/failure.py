@@ -22,6 +22,8 @@ tests/test_disaggregated.py; both are no-ops when unset):
                                              optimizer step (training ranks)
   DFLASH_TEST_DISK_FULL=WHAT                 writing WHAT (`checkpoint`) raises OSError(ENOSPC) after its first
                                              file, as a full disk does (`injected_write_fault`)
+  DFLASH_TEST_SLOW_WRITE=WHAT:SECONDS        writing WHAT (`checkpoint`) takes SECONDS longer after its first file,
+                                             as slow network storage does (`injected_write_fault`)
 
 What a failure prints and the exit status, per kind (the slot records the first failure's rank and kind, so the
 other ranks say accurately what happened): a user error (`errors.UserError`: a full disk, a bad checkpoint...)
@@ -69,6 +71,7 @@ STORE_TIMEOUT_S = 10.0
 FAIL_ENV = "DFLASH_TEST_FAIL_AT_STEP"
 SLOW_ENV = "DFLASH_TEST_SLOW_RANK"
 DISK_FULL_ENV = "DFLASH_TEST_DISK_FULL"
+SLOW_WRITE_ENV = "DFLASH_TEST_SLOW_WRITE"
 # Set by launch.run_torchrun: where the first failing rank writes the job's exit status.
 STATUS_FILE_ENV = "DFLASH_LAUNCH_STATUS_FILE"
 _SLOT = "first_failed_rank"
@@ -234,10 +237,14 @@ def _status_recorded(path: Path, timeout_s: float) -> bool:
 
 
 def injected_write_fault(what: str) -> None:
-    """Test hook: raise the OSError of a full disk while writing `what` when DFLASH_TEST_DISK_FULL names its
-    first word (`checkpoint`)."""
-    if os.environ.get(DISK_FULL_ENV) and what.split()[0] == os.environ[DISK_FULL_ENV]:
+    """Test hooks, for `what` named by its first word (`checkpoint`): raise the OSError of a full disk when
+    DFLASH_TEST_DISK_FULL names it; sleep when DFLASH_TEST_SLOW_WRITE names it (`checkpoint:SECONDS`)."""
+    kind = what.split()[0]
+    if os.environ.get(DISK_FULL_ENV) and kind == os.environ[DISK_FULL_ENV]:
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    slow_kind, _, seconds = os.environ.get(SLOW_WRITE_ENV, "").partition(":")
+    if slow_kind == kind:
+        time.sleep(float(seconds))
 
 
 def _exit_now(code: int) -> NoReturn:

@@ -40,6 +40,8 @@ class Roles:
     drafter_group: dist.ProcessGroup | None = None
     payload_group: dist.ProcessGroup | None = None
     header_group: dist.ProcessGroup | None = None
+    # The drafter ranks on gloo with `checkpoint.timeout_s`: they wait here while the lead drafter writes.
+    checkpoint_group: dist.ProcessGroup | None = None
 
     @property
     def num_targets(self) -> int:
@@ -82,7 +84,7 @@ def check_placement(placement: PlacementConfig, world_size: int) -> None:
         )
 
 
-def assign_roles(world: World, placement: PlacementConfig) -> Roles:
+def assign_roles(world: World, placement: PlacementConfig, *, checkpoint_timeout_s: float) -> Roles:
     """This rank's role, and the process groups of the placement (created on every rank)."""
     if not placement.disaggregated:
         everyone = tuple(range(world.world_size))
@@ -93,6 +95,7 @@ def assign_roles(world: World, placement: PlacementConfig) -> Roles:
     drafter_group = dist.new_group(ranks=list(drafter_ranks), timeout=timeout)
     payload_group = dist.new_group(timeout=timeout)
     header_group = payload_group if world.backend == "gloo" else dist.new_group(timeout=timeout, backend="gloo")
+    checkpoint_group = checkpoint_wait_group(list(drafter_ranks), checkpoint_timeout_s)
     role: Role = "target" if world.rank in placement.target_ranks else "drafter"
     return Roles(
         role=role,
@@ -102,4 +105,13 @@ def assign_roles(world: World, placement: PlacementConfig) -> Roles:
         drafter_group=drafter_group,
         payload_group=payload_group,
         header_group=header_group,
+        checkpoint_group=checkpoint_group,
     )
+
+
+def checkpoint_wait_group(ranks: list[int] | None, timeout_s: float) -> dist.ProcessGroup:
+    """A gloo group of `ranks` (None: every rank) whose collectives wait up to `timeout_s`: where the ranks meet
+    after the main rank wrote a checkpoint. The training group's timeout (`placement.timeout_s`, about a step's
+    worth) is too short for a large checkpoint, and an NCCL group's timeout is fixed when it is made. Created on
+    every rank of the job, members or not (`dist.new_group`'s rule)."""
+    return dist.new_group(ranks=ranks, timeout=datetime.timedelta(seconds=timeout_s), backend="gloo")

@@ -107,7 +107,8 @@ class _Posted:
 
     def wait(self, timeout_s: float, what: str) -> None:
         if not self.finished.wait(timeout_s):
-            raise TimeoutError(f"{what}: not done within placement.timeout_s={timeout_s:g}s")
+            # The bound is placement.timeout_s, or that plus checkpoint.timeout_s where the peer may be checkpointing.
+            raise TimeoutError(f"{what}: not done within {timeout_s:g}s")
         if self.error is not None:
             raise self.error
 

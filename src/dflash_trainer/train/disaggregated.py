@@ -189,6 +189,9 @@ class DrafterTrainer(Trainer):
     def _sync_group(self) -> tuple[dist.ProcessGroup | None, int, bool]:
         return self.roles.drafter_group, self.roles.num_drafters, self.roles.is_lead_drafter
 
+    def _checkpoint_group(self) -> dist.ProcessGroup | None:
+        return self.roles.checkpoint_group  # made with the others in `assign_roles`, on every rank
+
     def rank_label(self) -> str:
         return self.roles.label()
 
@@ -391,11 +394,16 @@ class TargetWorker:
         self.data: TrainingData = load_training_data(
             config, target, rank=0, world_size=1, step_batches=self.batches_per_step
         )
+        # The drafters stop taking batches while the lead writes a checkpoint (the others wait for it), so a
+        # sender's wait for room, and for the end-of-run notices after the last checkpoint, may last that long too.
+        # A drafter that fails or dies fails this rank within seconds anyway (distributed/failure.py); the bound
+        # is for a machine that vanished.
+        self.wait_s = config.placement.timeout_s + config.checkpoint.timeout_s
         self.sender = FeatureSender(
             queue_depth=config.placement.queue_depth,
             header_group=roles.header_group,
             payload_group=roles.payload_group,
-            timeout_s=config.placement.timeout_s,
+            timeout_s=self.wait_s,
         )
         self.profiler = StageProfiler.from_env(
             config.metrics.profile_interval, world.device, sink=lambda _: None, label=roles.label()
@@ -418,9 +426,7 @@ class TargetWorker:
             compile_layers=self.config.target.compile and self.world.device.type == "cuda",
             compile_mode=self.config.target.compile_mode,
         )
-        notices = NoticeBoard(
-            list(self.roles.drafter_ranks), self.roles.header_group, timeout_s=self.config.placement.timeout_s
-        )
+        notices = NoticeBoard(list(self.roles.drafter_ranks), self.roles.header_group, timeout_s=self.wait_s)
         # Host batches (collation, anchors, labels, pinned memory) are made ahead on a worker thread.
         prefetcher = Prefetcher(self._my_batches(start), depth=self._prefetch_depth(), name="dflash-target-prefetch")
         steps = start["step"]
@@ -547,7 +553,7 @@ def run_disaggregated(
     """This rank's part of a disaggregated run: (its summary, the trainer on drafter ranks, None on targets).
 
     The first target rank builds missing training data (it holds the target on its device); the others wait."""
-    roles = assign_roles(world, config.placement)
+    roles = assign_roles(world, config.placement, checkpoint_timeout_s=config.checkpoint.timeout_s)
     target = load_target_for_role(config, roles=roles, world=world)
     if roles.role == "target" and roles.slot == 0:
         prepare_data(config, target)

@@ -50,6 +50,7 @@ from ..config import ConfigError, RunConfig, config_to_dict
 from ..data.sampler import BatchPlan
 from ..devices import resolve_device
 from ..distributed.failure import FaultInjection
+from ..distributed.roles import checkpoint_wait_group
 from ..distributed.world import World
 from ..errors import UserError
 from ..model.anchors import block_state_rows, gather_block_states, kept_blocks_only
@@ -210,6 +211,7 @@ class Trainer:
         self.should_stop = should_stop
         self.world = world or World(device=resolve_device(config.target.device))
         self.group, self.group_size, self.is_main = self._sync_group()
+        self.checkpoint_group = self._checkpoint_group() if self.group_size > 1 else None
         self.log = log if self.is_main else (lambda _: None)
         self.run_dir = Path(config.run_dir)
         self.device = self.world.device
@@ -254,6 +256,10 @@ class Trainer:
     def _sync_group(self) -> tuple[dist.ProcessGroup | None, int, bool]:
         """(group for gradients, metrics and agreement, its size, whether this rank logs and checkpoints)."""
         return None, self.world.world_size, self.world.is_main
+
+    def _checkpoint_group(self) -> dist.ProcessGroup:
+        """Where the ranks wait while the main rank writes a checkpoint (`checkpoint.timeout_s`); made on every rank."""
+        return checkpoint_wait_group(None, self.config.checkpoint.timeout_s)
 
     def rank_label(self) -> str:
         return f"rank{self.world.rank}"
@@ -871,9 +877,11 @@ class Trainer:
                 written = saved is not None
             if self.group_size > 1:
                 # Also the barrier: every rank learns whether the checkpoint was written (they must agree on
-                # whether a last one is saved at the end, a collective).
-                agreed = torch.tensor([float(written)], device=self.device)
-                dist.all_reduce(agreed, op=dist.ReduceOp.MIN, group=self.group)
+                # whether a last one is saved at the end, a collective). On the checkpoint group (gloo, host
+                # tensor): the others wait here for as long as the write takes, up to `checkpoint.timeout_s`; on
+                # the training group they would fail after `placement.timeout_s`.
+                agreed = torch.tensor([float(written)])
+                dist.all_reduce(agreed, op=dist.ReduceOp.MIN, group=self.checkpoint_group)
                 written = agreed.item() > 0
         return path if written else None
 
