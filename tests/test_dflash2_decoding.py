@@ -120,3 +120,35 @@ def test_dflash2_in_captured_cuda_graphs_is_lossless(dtype, compiled):
         )
         if dtype == torch.float32:
             assert result.output_ids == reference
+
+
+def test_argmax_drafts_decode_losslessly_without_the_walk_and_restore_it(chat_target, tmp_path: Path, monkeypatch):
+    """`argmax_drafts`: the drafts are each slot's argmax (the selector is never called), decoding stays lossless,
+    the report says so, and the walk drafts again afterwards (also after an error inside)."""
+    drafter = dflash2_drafter(chat_target.model, block_size=4, mask_token_id=5)
+    walks = []
+    real_walk = CandidateSelector.walk
+
+    def recording_walk(self, hidden, logits, anchor_tokens):
+        walks.append(1)
+        return real_walk(self, hidden, logits, anchor_tokens)
+
+    monkeypatch.setattr(CandidateSelector, "walk", recording_walk)
+    path = tmp_path / "prompts.jsonl"
+    path.write_text("".join(json.dumps({"id": f"p{i}", "prompt": f"w{i} w{i + 3} w{i + 7}"}) + "\n" for i in range(2)))
+    with drafter.argmax_drafts():
+        report = evaluate(
+            chat_target, drafter, [str(path)], num_prompts=2, max_new_tokens=12, out_dir=tmp_path / "e", progress=False
+        )
+    assert not walks
+    assert report.argmax_drafts and "argmax drafts" in report.format_table()
+    (data,) = report.datasets
+    assert data.lossless_checked and data.exact_matches == 2
+    with pytest.raises(RuntimeError), drafter.argmax_drafts():
+        raise RuntimeError("inside")
+    hidden, logits = torch.randn(2, 3, drafter.config.hidden_size), torch.randn(2, 3, drafter.config.vocab_size)
+    assert drafter.walk_drafts
+    drafter.draft_tokens(hidden, logits, torch.tensor([1, 2]))
+    assert walks
+    with drafter.argmax_drafts():
+        assert torch.equal(drafter.draft_tokens(hidden, logits, torch.tensor([1, 2])), logits.argmax(dim=-1))

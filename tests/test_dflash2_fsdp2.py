@@ -67,7 +67,14 @@ class Runs:
             checkpoint={"every_steps": 2},
             placement={"sharding": sharding},
             # Decoding on the sharded drafter: the selector's walk gathers its parameters too.
-            eval={"every_steps": 2, "datasets": ["gsm8k"], "num_prompts": 1, "max_new_tokens": 6},
+            # And again drafting each slot's argmax (the walk's held-out gain): twice the collective gathers.
+            eval={
+                "every_steps": 2,
+                "datasets": ["gsm8k"],
+                "num_prompts": 1,
+                "max_new_tokens": 6,
+                "argmax_drafts": True,
+            },
         )
         env = {**os.environ, "PYTHONPATH": str(SRC), "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
         command = [sys.executable, "-m", "dflash_trainer", "train", str(recipe), "--nproc", "2"]
@@ -100,6 +107,8 @@ def test_fsdp2_trains_dflash2_as_ddp_selector_included(runs):
     want_taus = {r["step"]: r["eval_tau"] for r in read_metrics(ddp) if "eval_tau" in r}
     assert list(taus) == list(want_taus) == [2, 4] and all(tau >= 1.0 for tau in taus.values())
     assert list(taus.values()) == pytest.approx(list(want_taus.values()), abs=0.5)
+    argmax_taus = {r["step"]: r["eval_tau_argmax"] for r in read_metrics(fsdp2) if "eval_tau" in r}
+    assert list(argmax_taus) == [2, 4] and all(tau >= 1.0 for tau in argmax_taus.values())
     # Summed in another order (per shard, then over ranks): float32 rounding apart.
     assert [r["grad_norm"] for r in got] == pytest.approx([r["grad_norm"] for r in want], rel=1e-6)
     weights = final_weights(fsdp2)

@@ -15,6 +15,7 @@ from transformers import Qwen3Config
 
 from decoding_helpers import one_thread  # noqa: F401 (autouse fixture)
 from dflash_trainer import export as export_module
+from dflash_trainer.config import ConfigError
 from dflash_trainer.errors import OutputExistsError, StorageError
 from dflash_trainer.export import (
     CheckpointFormatError,
@@ -603,6 +604,8 @@ def test_a_run_export_describes_itself_and_eval_needs_no_target(tmp_path, monkey
     eval_command(drafter_path=str(export), target=None, out_dir=None, batch_size=1, **common)
     report = json.loads((export / "eval" / "eval.json").read_text())
     assert report["target"] == "target" and [s["batch_rows"] for s in report["datasets"][0]["throughput"]] == [1]
+    with pytest.raises(ConfigError, match=r"--argmax-drafts: .* is a DFlash drafter"):
+        eval_command(drafter_path=str(export), target=None, out_dir=None, argmax_drafts=True, **common)
 
     save_tiny_target(Path("other"), hybrid=True)
     with pytest.raises(TargetMismatchError, match=r"trained for target 'target' \(qwen3.*not 'other' \(qwen3_5_text"):

@@ -216,6 +216,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
         dtype=args.dtype,
         batch_size=args.batch_size,
         compile_drafter=args.compile_drafter,
+        argmax_drafts=args.argmax_drafts,
     )
     return 0
 
@@ -410,6 +411,11 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="compile the drafter's norms and MLPs (DFlash2: also its convolutions and walk): fewer kernels per step "
         "(default: on a GPU, not on the CPU)",
+    )
+    evaluate.add_argument(
+        "--argmax-drafts",
+        action="store_true",
+        help="DFlash2: draft each slot's argmax, the selector unused (what the walk adds; report in eval-argmax/)",
     )
     evaluate.set_defaults(run=cmd_eval)
 

@@ -149,6 +149,9 @@ class EvalReport:
     drafter_digest: str = ""
     # The drafter's norms, MLPs (and DFlash2's convolutions and walk) compiled for decoding (`compile_drafter`).
     compiled_drafter: bool = False
+    # A DFlash2 drafter drafting each slot's argmax, its selector unused (`DFlash2Drafter.argmax_drafts`): a
+    # diagnostic, not what the engines serve.
+    argmax_drafts: bool = False
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -277,6 +280,7 @@ def evaluate(
         complete=False,
         drafter_digest=drafter_digest(drafter.state_dict()),
         compiled_drafter=compile_drafter,
+        argmax_drafts=not getattr(drafter, "walk_drafts", True),
     )
     if compile_drafter:
         # Compiled at each new shape's first eager run (the warm-up, a batch's prefill, a graph key's first step),
@@ -508,7 +512,8 @@ def format_table(report: EvalReport) -> str:
     )
     lines = [
         f"target {report.target} ({report.dtype}), block {report.block_size}, temperature {report.temperature}, "
-        f"max {report.max_new_tokens} new tokens{', drafter compiled' if report.compiled_drafter else ''}; "
+        f"max {report.max_new_tokens} new tokens{', drafter compiled' if report.compiled_drafter else ''}"
+        f"{', argmax drafts (the selector unused)' if report.argmax_drafts else ''}; "
         "tau pooled over steps and tau/pr the mean over prompts; "
         "tok/s at the batch shown (an indication: a serving engine measures deployable speed-up)",
         header,

@@ -7,6 +7,7 @@ held-out prompts, exports the drafter and draws the curves.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 from collections.abc import Callable
@@ -24,6 +25,7 @@ from ..distributed.world import World, init_world, shutdown_world
 from ..durable_io import check_safetensors_file
 from ..errors import UserError, refuse_file_as_directory
 from ..launch import StopFlag
+from ..model.dflash2 import DFlash2Drafter
 from ..targets.loader import LoadedTarget, TargetLoadError, load_target, quantize_target_to_fp8
 from . import checkpoint as ckpt
 from .data_setup import regenerate_for_training
@@ -486,6 +488,7 @@ def eval_command(
     dtype: str,
     batch_size: int | None = None,
     compile_drafter: bool | None = None,
+    argmax_drafts: bool = False,
 ) -> None:
     from ..eval.runner import evaluate
     from ..export import cast_keeping_rope_fp32, check_drafter_fits_target, read_export_config, refresh_model_card
@@ -496,6 +499,11 @@ def eval_command(
     for name in datasets:  # a misspelt, missing or empty set before the target loads
         check_prompt_set_name(name, "test")
     drafter, source = load_drafter_any(drafter_path)
+    if argmax_drafts and not isinstance(drafter, DFlash2Drafter):
+        raise ConfigError(f"--argmax-drafts: {source} is a DFlash drafter, which drafts each slot's argmax already")
+    if argmax_drafts and out_dir is None:
+        # Not `eval/` beside the export: the model card shows that report, and this one is not what is served.
+        out_dir = str(source / "eval-argmax")
     target_config = run_config_of(source).target if (source / "config.yaml").is_file() else None
     export_config = read_export_config(source)
     # An export records its target: found here by its name, recorded path or the cache, and checked after loading.
@@ -523,19 +531,21 @@ def eval_command(
     check_drafter_fits_target(drafter.config, loaded.config, drafter_source=source, target_name=loaded.name)
     # In the target's dtype, as a server runs it (RoPE frequencies stay float32).
     drafter = cast_keeping_rope_fp32(drafter.to(loaded.device), loaded.dtype).eval()
-    report = evaluate(
-        loaded,
-        drafter,
-        datasets,
-        num_prompts=num_prompts,
-        max_new_tokens=max_new_tokens,
-        temperature=temperature,
-        out_dir=Path(out_dir) if out_dir else source / "eval",
-        batch_size=batch_size,
-        # As the run that trained the drafter decoded (an export without its run config: auto).
-        recurrent_state_dtype=STATE_DTYPES[target_config.recurrent_state_dtype] if target_config else None,
-        compile_drafter=compile_drafter,
-    )
+    drafts = drafter.argmax_drafts() if argmax_drafts else contextlib.nullcontext()
+    with drafts:
+        report = evaluate(
+            loaded,
+            drafter,
+            datasets,
+            num_prompts=num_prompts,
+            max_new_tokens=max_new_tokens,
+            temperature=temperature,
+            out_dir=Path(out_dir) if out_dir else source / "eval",
+            batch_size=batch_size,
+            # As the run that trained the drafter decoded (an export without its run config: auto).
+            recurrent_state_dtype=STATE_DTYPES[target_config.recurrent_state_dtype] if target_config else None,
+            compile_drafter=compile_drafter,
+        )
     print(report.format_table())
     # The card of an export shows the evaluation kept beside it (the default --out, `eval/` in the export).
     if export_config is not None and out_dir is None and refresh_model_card(source, report.to_dict()):

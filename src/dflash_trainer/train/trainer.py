@@ -56,7 +56,7 @@ from ..errors import UserError
 from ..model.anchors import block_state_rows, gather_block_states, kept_blocks_only
 from ..model.attention import build_masks, resolve_backend
 from ..model.config import DrafterModelConfig
-from ..model.dflash2 import DFlash2ModelConfig, SelectorObjective
+from ..model.dflash2 import DFlash2Drafter, DFlash2ModelConfig, SelectorObjective
 from ..model.drafter import build_drafter
 from ..model.fp8 import fp8_training_problem
 from ..model.fp8_head import fp8_head_problem
@@ -843,18 +843,24 @@ class Trainer:
     def _periodic_eval(self) -> None:
         from ..eval.runner import quick_tau
 
+        eval_config = self.config.eval
+        decode = partial(
+            quick_tau,
+            self.target,
+            self.drafter,
+            datasets=eval_config.datasets,
+            num_prompts=eval_config.num_prompts,
+            max_new_tokens=eval_config.max_new_tokens,
+        )
         with self.profiler.stage("eval"), self.sync.gathered_for_decoding():
-            eval_config = self.config.eval
-            tau = quick_tau(
-                self.target,
-                self.drafter,
-                datasets=eval_config.datasets,
-                num_prompts=eval_config.num_prompts,
-                max_new_tokens=eval_config.max_new_tokens,
-            )
-        self.logger.log(self.step, {"eval_tau": tau})
+            values = {"eval_tau": decode()}
+            if eval_config.argmax_drafts and isinstance(self.drafter, DFlash2Drafter):
+                with self.drafter.argmax_drafts():
+                    values["eval_tau_argmax"] = decode()
+        self.logger.log(self.step, values)
         if self.is_main:  # every rank evaluates (FSDP2's gathers are collective); one prints
-            self.progress.write(f"step {self.step}: eval tau {tau:.3f}")
+            argmax = f" (argmax drafts {values['eval_tau_argmax']:.3f})" if "eval_tau_argmax" in values else ""
+            self.progress.write(f"step {self.step}: eval tau {values['eval_tau']:.3f}{argmax}")
 
     # ------------------------------------------------------------------------------------------------ state
 

@@ -16,7 +16,8 @@ The final norm, the target's LM head and the selector (`selector.py`) then turn 
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 
 import torch
 from torch import Tensor
@@ -62,6 +63,8 @@ class DFlash2Drafter(DFlashDrafter):
         self.candidate_selector = CandidateSelector(
             config.hidden_size, config.vocab_size, rank=config.selector_rank, top_k=config.selector_top_k
         )
+        # Draft with the selector's walk (what the engines serve); off inside `argmax_drafts`.
+        self.walk_drafts = True
 
     def reset_parameters(self, std: float = 0.02) -> None:
         """DFlash's initialisation, then the convolutions as identities and the selector as a no-op on the unary
@@ -75,8 +78,23 @@ class DFlash2Drafter(DFlashDrafter):
                 module.reset_parameters(std)
 
     def draft_tokens(self, hidden: Tensor, logits: Tensor, anchor_tokens: Tensor) -> Tensor:
-        """The selector's greedy walk over the unary top-k from the anchor (`selector.py`)."""
+        """The selector's greedy walk over the unary top-k from the anchor (`selector.py`); each slot's argmax inside
+        `argmax_drafts`."""
+        if not self.walk_drafts:
+            return super().draft_tokens(hidden, logits, anchor_tokens)
         return self.candidate_selector.walk(hidden, logits, anchor_tokens)
+
+    @contextlib.contextmanager
+    def argmax_drafts(self) -> Iterator[None]:
+        """Draft each slot's argmax, as DFlash does, with the selector unused: held-out tau with and without it
+        separates what the walk adds from what the convolutions add (`eval.argmax_drafts`, `eval --argmax-drafts`).
+        Set before decoding starts: a CUDA graph captured inside keeps the argmax."""
+        before = self.walk_drafts
+        self.walk_drafts = False
+        try:
+            yield
+        finally:
+            self.walk_drafts = before
 
     def compile_for_decoding(self, backend: str | Callable = "inductor") -> None:
         """DFlash's pieces (`DFlashDrafter.compile_for_decoding`), the convolutions (about 12 small ops each
