@@ -177,7 +177,7 @@ def run_one(
     target = random_target(world.device, dtype, run.setting.architecture)
     trainer = None
     if layout == "disagg":
-        roles = assign_roles(world, config.placement)
+        roles = assign_roles(world, config.placement, checkpoint_timeout_s=config.checkpoint.timeout_s)
         if roles.role == "target":
             TargetWorker(config, roles=roles, world=world, target=target, should_stop=lambda: False).run()
         else:

@@ -108,9 +108,12 @@ def test_gpu_backends_give_the_dense_sdpa_features(backend, size, sliding):
     # Per document, against the float32 model on the document alone (real tokens only).
     start = 0
     for n in LENGTHS[2][:6]:
-        alone = exact.capture(input_ids[2:3, start : start + n]).features[0]
+        document = input_ids[2:3, start : start + n]
+        alone = exact.capture(document).features[0]
+        # The bound from the dense bf16 path on the document alone too: a leak between packed documents shared by
+        # both packed paths cannot widen it.
         span = slice(start, start + n)
-        assert relative_error(actual.features[2, span], alone) < bound(expected.features[2, span], alone)
+        assert relative_error(actual.features[2, span], alone) < bound(dense.capture(document).features[0], alone)
         start += n
 
 

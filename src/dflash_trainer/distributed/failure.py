@@ -11,8 +11,9 @@
   waiting peer also leaves within seconds. It gives the failing rank `GRACE_S` to print and exit first, so that
   torchrun names the right rank as the root cause.
 - An operation blocked on a peer that vanished without closing its connections (a dead machine) fails after
-  `placement.timeout_s`, the timeout of every process group. torchrun stops the remaining ranks as well (SIGTERM,
-  then SIGKILL after its shutdown timeout, 30 s by default).
+  `placement.timeout_s`, the timeout of the process groups, or after that plus `checkpoint.timeout_s` where the
+  wait may span a checkpoint being written (the ranks meeting its writer, the feature sends of a disaggregated job).
+  torchrun stops the remaining ranks as well (SIGTERM, then SIGKILL after its shutdown timeout, 30 s by default).
 
 Test hooks, read from the environment once per rank (used by tests/test_failure.py and
 tests/test_disaggregated.py; both are no-ops when unset):

@@ -6,11 +6,15 @@ Disaggregated: `placement.target_ranks` run only the frozen target and send feat
 lists must name every rank of the job exactly once.
 
 Groups made here (`dist.new_group` is collective: every rank creates every group, in the same order):
-- `drafter_group`: the drafter ranks, for gradients, metrics, stop agreement and checkpoint barriers.
+- `drafter_group`: the drafter ranks, for gradients, metrics and stop agreement.
 - `payload_group`: every rank, used only for feature send/recv, so point-to-point traffic never shares a
-  communicator with the collectives of the default group.
+  communicator with the collectives of the default group. Its timeout is `placement.timeout_s` plus
+  `checkpoint.timeout_s`: a target's sends stay posted, unmatched, while the drafters write a checkpoint, and
+  NCCL's watchdog holds every work to its group's timeout.
 - `header_group`: every rank, gloo. Headers are host data; with NCCL payloads they travel over gloo so the
   receiver learns shapes without a device sync. On CPU it is the payload group itself.
+- `checkpoint_group`: the drafter ranks, gloo, `checkpoint.timeout_s`: where they meet the lead drafter after it
+  wrote a checkpoint (`checkpoint_wait_group`).
 """
 
 from __future__ import annotations
@@ -93,7 +97,7 @@ def assign_roles(world: World, placement: PlacementConfig, *, checkpoint_timeout
     timeout = datetime.timedelta(seconds=placement.timeout_s)
     drafter_ranks = tuple(placement.drafter_ranks)
     drafter_group = dist.new_group(ranks=list(drafter_ranks), timeout=timeout)
-    payload_group = dist.new_group(timeout=timeout)
+    payload_group = dist.new_group(timeout=timeout + datetime.timedelta(seconds=checkpoint_timeout_s))
     header_group = payload_group if world.backend == "gloo" else dist.new_group(timeout=timeout, backend="gloo")
     checkpoint_group = checkpoint_wait_group(list(drafter_ranks), checkpoint_timeout_s)
     role: Role = "target" if world.rank in placement.target_ranks else "drafter"

@@ -74,9 +74,12 @@ def _wait_on_host(work: dist.Work, *, poll: bool) -> None:
     else completes them); NCCL works by polling, because an NCCL `wait` on a transfer still running would make this
     thread's CUDA stream, which is also the trainer's, wait for it and stall the next forward behind it.
 
-    Completed is not succeeded: a work that failed (a peer gone, the communicator aborted) reports itself completed
-    too. So once polling sees it done, `wait` is called as well: the transfer is over, so the stream has nothing left
-    to wait for, and `wait` raises the work's error, which the poster re-raises where it waits (`_Posted`)."""
+    Completed is not succeeded: a work with an error set (a peer gone) reports itself completed too, possibly before
+    its kernel ended. So once polling sees it done, `wait` is called as well: after a transfer that finished the
+    stream has nothing left to wait for; after a failed one `wait` aborts the communicator (which ends the kernel)
+    and raises the error, which the poster re-raises where it waits (`_Posted`). NCCL's watchdog may take the process
+    down on the same error first (TORCH_NCCL_ASYNC_ERROR_HANDLING); this makes the poster's report not depend on
+    that race."""
     if not poll:
         work.wait(_HELPER_WAIT)
         return
