@@ -4,8 +4,10 @@ scripts run on machines reached by short commands, where a job that never starts
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -149,3 +151,26 @@ bg() {{ local name=$1; shift; bash -c "{{ $*; }} > $RES/$name.log 2>&1; echo \\$
         ]
     else:  # the main job ended without a step: nothing to train on, and the job says so by its status
         assert (tmp_path / "candidate.rc").read_text().strip() == "3" and log == []
+
+
+@pytest.mark.slow
+def test_the_disaggregation_benchmark_runs_its_cpu_setting(tmp_path):
+    """benchmarks/disagg_bench.py's `tiny` setting on two CPU ranks (gloo), 1 target + 1 drafter, then its table:
+    the script calls the trainer's internals (roles, workers), which it must keep up with (it once did not)."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    bench = ROOT / "benchmarks" / "disagg_bench.py"
+    data, results = tmp_path / "data", tmp_path / "results"
+    common = ["--settings", "tiny", "--data-dir", str(data), "--result-dir", str(results)]
+    subprocess.run([sys.executable, str(bench), "prepare", *common], env=env, check=True, timeout=120)
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    run = subprocess.run(
+        [*torchrun, str(bench), "run", "--layout", "disagg", *common],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        timeout=300,
+    )
+    assert run.returncode == 0, run.stdout
+    (result,) = [json.loads(path.read_text()) for path in results.glob("disagg-tiny.json")]
+    assert result["steps"] > 0 and result["tokens_per_s"] > 0
