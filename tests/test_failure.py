@@ -257,3 +257,27 @@ def test_a_checkpoint_written_slower_than_the_rank_timeout_does_not_fail_the_job
     out, _, status = run_job(launcher(recipe, nproc), "step", env={"DFLASH_TEST_SLOW_WRITE": "checkpoint:5"})
     assert status == 0, out
     assert [p.name for p in ckpt.list_checkpoints(tmp_path / "run")] == ["step-00000002", "step-00000003"], out
+
+
+@pytest.mark.parametrize(
+    ("placement", "slow_rank"),
+    [
+        pytest.param({}, 1, id="colocated"),
+        pytest.param({"target_ranks": [0], "drafter_ranks": [1]}, 1, id="disaggregated", marks=pytest.mark.slow),
+    ],
+)
+def test_a_resume_read_slower_than_the_rank_timeout_does_not_fail_the_job(tmp_path, data, placement, slow_rank):
+    """Every rank reads the checkpoint it resumes from; one rank reading 5 s slower than the others (a 2 s rank
+    timeout, DFLASH_TEST_SLOW_RESUME) must not fail the job: the ranks meet on the checkpoint group after the reads,
+    and target ranks wait for the drafters' start on the start group."""
+    target, shards = data
+    run = tmp_path / "run"
+    sections = dict(checkpoint={"every_steps": 2}, placement={"timeout_s": 2, **placement})
+    nproc = 2
+    first = write_recipe(tmp_path / "first.yaml", run, target, shards, train={"max_steps": 2}, **sections)
+    out, _, status = run_job(launcher(first, nproc), "step")
+    assert status == 0, out
+    resumed = write_recipe(tmp_path / "resumed.yaml", run, target, shards, train={"max_steps": 4}, **sections)
+    out, _, status = run_job(launcher(resumed, nproc), "step", env={"DFLASH_TEST_SLOW_RESUME": f"{slow_rank}:5"})
+    assert status == 0, out
+    assert "resumed from" in out and ckpt.list_checkpoints(run)[-1].name == "step-00000004", out

@@ -25,6 +25,7 @@ tests/test_disaggregated.py; both are no-ops when unset):
                                              file, as a full disk does (`injected_write_fault`)
   DFLASH_TEST_SLOW_WRITE=WHAT:SECONDS        writing WHAT (`checkpoint`) takes SECONDS longer after its first file,
                                              as slow network storage does (`injected_write_fault`)
+  DFLASH_TEST_SLOW_RESUME=RANK:SECONDS       rank RANK reads the checkpoint it resumes from SECONDS slower
 
 What a failure prints and the exit status, per kind (the slot records the first failure's rank and kind, so the
 other ranks say accurately what happened): a user error (`errors.UserError`: a full disk, a bad checkpoint...)
@@ -73,6 +74,7 @@ FAIL_ENV = "DFLASH_TEST_FAIL_AT_STEP"
 SLOW_ENV = "DFLASH_TEST_SLOW_RANK"
 DISK_FULL_ENV = "DFLASH_TEST_DISK_FULL"
 SLOW_WRITE_ENV = "DFLASH_TEST_SLOW_WRITE"
+SLOW_RESUME_ENV = "DFLASH_TEST_SLOW_RESUME"
 # Set by launch.run_torchrun: where the first failing rank writes the job's exit status.
 STATUS_FILE_ENV = "DFLASH_LAUNCH_STATUS_FILE"
 _SLOT = "first_failed_rank"
@@ -262,10 +264,11 @@ class FaultInjection:
     fail_step: int | None = None
     kill: bool = False
     slow_s: float = 0.0
+    slow_resume_s: float = 0.0
 
     @classmethod
     def from_env(cls, rank: int) -> FaultInjection:
-        fail_step, kill, slow_s = None, False, 0.0
+        fail_step, kill, slow_s, slow_resume_s = None, False, 0.0, 0.0
         fail = os.environ.get(FAIL_ENV, "")
         if fail:
             parts = fail.split(":")
@@ -278,7 +281,17 @@ class FaultInjection:
             slow_rank, _, seconds = slow.partition(":")
             if int(slow_rank) == rank:
                 slow_s = float(seconds)
-        return cls(rank=rank, fail_step=fail_step, kill=kill, slow_s=slow_s)
+        slow_resume = os.environ.get(SLOW_RESUME_ENV, "")
+        if slow_resume:
+            slow_rank, _, seconds = slow_resume.partition(":")
+            if int(slow_rank) == rank:
+                slow_resume_s = float(seconds)
+        return cls(rank=rank, fail_step=fail_step, kill=kill, slow_s=slow_s, slow_resume_s=slow_resume_s)
+
+    def at_resume(self) -> None:
+        """Called once a rank has read the checkpoint it resumes from."""
+        if self.slow_resume_s:
+            time.sleep(self.slow_resume_s)
 
     def at_step(self, step: int) -> None:
         """Called for every batch a rank handles, with the (1-based) optimizer step the batch belongs to."""

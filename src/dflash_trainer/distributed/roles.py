@@ -14,7 +14,9 @@ Groups made here (`dist.new_group` is collective: every rank creates every group
 - `header_group`: every rank, gloo. Headers are host data; with NCCL payloads they travel over gloo so the
   receiver learns shapes without a device sync. On CPU it is the payload group itself.
 - `checkpoint_group`: the drafter ranks, gloo, `checkpoint.timeout_s`: where they meet the lead drafter after it
-  wrote a checkpoint (`checkpoint_wait_group`).
+  wrote a checkpoint, and each other after reading the one they resume from (`checkpoint_wait_group`).
+- `start_group`: every rank, gloo, `placement.timeout_s` plus `checkpoint.timeout_s`: the start's broadcast, which
+  the target ranks wait in while the drafters read the checkpoint they resume from.
 """
 
 from __future__ import annotations
@@ -46,6 +48,8 @@ class Roles:
     header_group: dist.ProcessGroup | None = None
     # The drafter ranks on gloo with `checkpoint.timeout_s`: they wait here while the lead drafter writes.
     checkpoint_group: dist.ProcessGroup | None = None
+    # Every rank on gloo: the start's broadcast (`broadcast_start`), after the drafters resumed.
+    start_group: dist.ProcessGroup | None = None
 
     @property
     def num_targets(self) -> int:
@@ -100,6 +104,7 @@ def assign_roles(world: World, placement: PlacementConfig, *, checkpoint_timeout
     payload_group = dist.new_group(timeout=timeout + datetime.timedelta(seconds=checkpoint_timeout_s))
     header_group = payload_group if world.backend == "gloo" else dist.new_group(timeout=timeout, backend="gloo")
     checkpoint_group = checkpoint_wait_group(list(drafter_ranks), checkpoint_timeout_s)
+    start_group = checkpoint_wait_group(None, placement.timeout_s + checkpoint_timeout_s)
     role: Role = "target" if world.rank in placement.target_ranks else "drafter"
     return Roles(
         role=role,
@@ -110,6 +115,7 @@ def assign_roles(world: World, placement: PlacementConfig, *, checkpoint_timeout
         payload_group=payload_group,
         header_group=header_group,
         checkpoint_group=checkpoint_group,
+        start_group=start_group,
     )
 
 

@@ -365,9 +365,11 @@ class DrafterTrainer(Trainer):
 
 
 def broadcast_start(start: dict[str, Any] | None, *, roles: Roles) -> dict[str, Any]:
-    """The first drafter rank's start description, on every rank (one collective on the default group)."""
+    """The first drafter rank's start description, on every rank (one collective on the start group, gloo: the
+    target ranks wait in it while the drafters read the checkpoint they resume from, which can outlast
+    `placement.timeout_s`)."""
     holder = [start]
-    dist.broadcast_object_list(holder, src=roles.drafter_ranks[0])
+    dist.broadcast_object_list(holder, src=roles.drafter_ranks[0], group=roles.start_group)
     return holder[0]
 
 

@@ -916,8 +916,15 @@ class Trainer:
     def maybe_resume(self) -> Path | None:
         """`checkpoint.resume`: `auto` = newest checkpoint of the run dir if any, `none` = never, else a path.
 
-        Every rank reads the checkpoint (a shared filesystem, as for the run directory itself)."""
+        Every rank reads the checkpoint (a shared filesystem, as for the run directory itself), then they meet on the
+        checkpoint group: at the paper's scale the reads take minutes and differ between ranks, and the next
+        collective on the training group (FSDP2's shard loading, the first gradients) would time out on the slowest
+        one after `placement.timeout_s`."""
         resumed = ckpt.load_for_resume(self.run_dir, self.config, self.model_config, log=self.log)
+        if resumed is not None:
+            self.faults.at_resume()
+        if self.group_size > 1:
+            dist.barrier(group=self.checkpoint_group)
         if resumed is None:
             return None
         path, drafter_state, state = resumed
