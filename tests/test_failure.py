@@ -21,6 +21,10 @@ from train_helpers import save_tiny_target, write_counting_shards, write_recipe
 
 SRC = Path(__file__).resolve().parents[1] / "src"
 LIMIT_S = 30.0
+# The slow-storage tests: a rank timeout (placement.timeout_s) short enough that the slow write or read below outlasts
+# it, long enough for the start-up collectives of two ranks starting unevenly on a loaded 2-core machine.
+SHORT_RANK_TIMEOUT_S = 4
+SLOW_STORAGE_S = 9
 # torchrun's summary of the ranks it saw exit: "rank      : 1 (local_rank: 1)\n  exitcode  : -9 (pid: ...)".
 EXIT_PATTERN = re.compile(r"rank\s*:\s*(\d+) \(local_rank: \d+\)\s*\n\s*exitcode\s*:\s*(-?\d+)")
 
@@ -240,7 +244,7 @@ def test_the_watcher_outlasts_a_busy_store_and_stops_when_it_is_gone(monkeypatch
 )
 def test_a_checkpoint_written_slower_than_the_rank_timeout_does_not_fail_the_job(tmp_path, data, placement):
     """The other ranks wait for the main rank's checkpoint up to `checkpoint.timeout_s`, not `placement.timeout_s`
-    (a 27 GiB drafter state takes minutes on network storage): with a 2 s rank timeout, checkpoints that take 5 s
+    (a 27 GiB drafter state takes minutes on network storage): with a 4 s rank timeout, checkpoints that take 9 s
     more to write (DFLASH_TEST_SLOW_WRITE) must not fail the job, colocated (the ranks' agreement after the write)
     or disaggregated (the other drafter at the agreement; the target waiting for room and for the end notices)."""
     target, shards = data
@@ -251,10 +255,12 @@ def test_a_checkpoint_written_slower_than_the_rank_timeout_does_not_fail_the_job
         shards,
         checkpoint={"every_steps": 2},
         train={"max_steps": 3},
-        placement={"timeout_s": 2, **placement},
+        placement={"timeout_s": SHORT_RANK_TIMEOUT_S, **placement},
     )
     nproc = 3 if placement else 2
-    out, _, status = run_job(launcher(recipe, nproc), "step", env={"DFLASH_TEST_SLOW_WRITE": "checkpoint:5"})
+    out, _, status = run_job(
+        launcher(recipe, nproc), "step", env={"DFLASH_TEST_SLOW_WRITE": f"checkpoint:{SLOW_STORAGE_S}"}
+    )
     assert status == 0, out
     assert [p.name for p in ckpt.list_checkpoints(tmp_path / "run")] == ["step-00000002", "step-00000003"], out
 
@@ -267,17 +273,19 @@ def test_a_checkpoint_written_slower_than_the_rank_timeout_does_not_fail_the_job
     ],
 )
 def test_a_resume_read_slower_than_the_rank_timeout_does_not_fail_the_job(tmp_path, data, placement, slow_rank):
-    """Every rank reads the checkpoint it resumes from; one rank reading 5 s slower than the others (a 2 s rank
+    """Every rank reads the checkpoint it resumes from; one rank reading 9 s slower than the others (a 4 s rank
     timeout, DFLASH_TEST_SLOW_RESUME) must not fail the job: the ranks meet on the checkpoint group after the reads,
     and target ranks wait for the drafters' start on the start group."""
     target, shards = data
     run = tmp_path / "run"
-    sections = dict(checkpoint={"every_steps": 2}, placement={"timeout_s": 2, **placement})
+    sections = dict(checkpoint={"every_steps": 2}, placement={"timeout_s": SHORT_RANK_TIMEOUT_S, **placement})
     nproc = 2
     first = write_recipe(tmp_path / "first.yaml", run, target, shards, train={"max_steps": 2}, **sections)
     out, _, status = run_job(launcher(first, nproc), "step")
     assert status == 0, out
     resumed = write_recipe(tmp_path / "resumed.yaml", run, target, shards, train={"max_steps": 4}, **sections)
-    out, _, status = run_job(launcher(resumed, nproc), "step", env={"DFLASH_TEST_SLOW_RESUME": f"{slow_rank}:5"})
+    out, _, status = run_job(
+        launcher(resumed, nproc), "step", env={"DFLASH_TEST_SLOW_RESUME": f"{slow_rank}:{SLOW_STORAGE_S}"}
+    )
     assert status == 0, out
     assert "resumed from" in out and ckpt.list_checkpoints(run)[-1].name == "step-00000004", out
