@@ -56,6 +56,8 @@ def test_int_is_accepted_for_float_but_not_the_reverse():
         ("prepare.source=gsm8k:test", r"prepare\.source: 'gsm8k:test' holds the 200 held-out"),
         ("prepare.source=mtbench:train", r"prepare\.source: 'mtbench:train' is an evaluation set"),
         ("eval.num_prompts=0", r"eval\.num_prompts: must be >= 1"),
+        ("eval.argmax_drafts=true", r"eval\.argmax_drafts: needs drafter\.algorithm: dflash2"),
+        ("checkpoint.timeout_s=0", r"checkpoint\.timeout_s: must be > 0"),
         ("optim.lr=[", r"optim\.lr: cannot parse value '\[' as YAML"),
         ("optim.lr=" + "[" * 5000, r"optim\.lr: cannot parse value"),
         ("optim.lr=" + "9" * 400, r"optim\.lr: .* too large for a float"),

@@ -108,7 +108,9 @@ def test_fsdp2_trains_dflash2_as_ddp_selector_included(runs):
     assert list(taus) == list(want_taus) == [2, 4] and all(tau >= 1.0 for tau in taus.values())
     assert list(taus.values()) == pytest.approx(list(want_taus.values()), abs=0.5)
     argmax_taus = {r["step"]: r["eval_tau_argmax"] for r in read_metrics(fsdp2) if "eval_tau" in r}
+    want_argmax = {r["step"]: r["eval_tau_argmax"] for r in read_metrics(ddp) if "eval_tau" in r}
     assert list(argmax_taus) == [2, 4] and all(tau >= 1.0 for tau in argmax_taus.values())
+    assert list(argmax_taus.values()) == pytest.approx(list(want_argmax.values()), abs=0.5)
     # Summed in another order (per shard, then over ranks): float32 rounding apart.
     assert [r["grad_norm"] for r in got] == pytest.approx([r["grad_norm"] for r in want], rel=1e-6)
     weights = final_weights(fsdp2)

@@ -464,6 +464,9 @@ def test_model_card_shows_only_an_evaluation_of_its_own_weights(tmp_path):
     other = {**evaluation, "drafter_digest": "sha256:0"}
     export_drafter(random_drafter(seed=3), tmp_path / "out", training=training, evaluation=other)
     assert "No evaluation of these weights" in (tmp_path / "out" / "README.md").read_text()
+    # Nor a report of these weights drafting by argmax (DFlash2's `eval --argmax-drafts`: a diagnostic).
+    export_drafter(drafter, tmp_path / "out", training=training, evaluation={**evaluation, "argmax_drafts": True})
+    assert "No evaluation of these weights" in (tmp_path / "out" / "README.md").read_text()
     # An export without our records (z-lab's, or written by hand) gets no card.
     export_drafter(drafter, tmp_path / "bare")
     assert not (tmp_path / "bare" / "README.md").exists()

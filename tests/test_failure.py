@@ -23,8 +23,8 @@ SRC = Path(__file__).resolve().parents[1] / "src"
 LIMIT_S = 30.0
 # The slow-storage tests: a rank timeout (placement.timeout_s) short enough that the slow write or read below outlasts
 # it, long enough for the start-up collectives of two ranks starting unevenly on a loaded 2-core machine.
-SHORT_RANK_TIMEOUT_S = 4
-SLOW_STORAGE_S = 9
+SHORT_RANK_TIMEOUT_S = 6
+SLOW_STORAGE_S = 12
 # torchrun's summary of the ranks it saw exit: "rank      : 1 (local_rank: 1)\n  exitcode  : -9 (pid: ...)".
 EXIT_PATTERN = re.compile(r"rank\s*:\s*(\d+) \(local_rank: \d+\)\s*\n\s*exitcode\s*:\s*(-?\d+)")
 
@@ -244,7 +244,7 @@ def test_the_watcher_outlasts_a_busy_store_and_stops_when_it_is_gone(monkeypatch
 )
 def test_a_checkpoint_written_slower_than_the_rank_timeout_does_not_fail_the_job(tmp_path, data, placement):
     """The other ranks wait for the main rank's checkpoint up to `checkpoint.timeout_s`, not `placement.timeout_s`
-    (a 27 GiB drafter state takes minutes on network storage): with a 4 s rank timeout, checkpoints that take 9 s
+    (a 27 GiB drafter state takes minutes on network storage): with a 6 s rank timeout, checkpoints that take 12 s
     more to write (DFLASH_TEST_SLOW_WRITE) must not fail the job, colocated (the ranks' agreement after the write)
     or disaggregated (the other drafter at the agreement; the target waiting for room and for the end notices)."""
     target, shards = data
@@ -266,20 +266,23 @@ def test_a_checkpoint_written_slower_than_the_rank_timeout_does_not_fail_the_job
 
 
 @pytest.mark.parametrize(
-    ("placement", "slow_rank"),
+    ("placement", "nproc", "slow_rank"),
     [
-        pytest.param({}, 1, id="colocated"),
-        pytest.param({"target_ranks": [0], "drafter_ranks": [1]}, 1, id="disaggregated", marks=pytest.mark.slow),
+        pytest.param({}, 2, 1, id="colocated"),
+        pytest.param({"sharding": "fsdp2"}, 2, 1, id="colocated-fsdp2", marks=pytest.mark.slow),
+        pytest.param({"target_ranks": [0], "drafter_ranks": [1]}, 2, 1, id="disaggregated", marks=pytest.mark.slow),
+        pytest.param(
+            {"target_ranks": [0], "drafter_ranks": [1, 2]}, 3, 2, id="disaggregated-2-drafters", marks=pytest.mark.slow
+        ),
     ],
 )
-def test_a_resume_read_slower_than_the_rank_timeout_does_not_fail_the_job(tmp_path, data, placement, slow_rank):
-    """Every rank reads the checkpoint it resumes from; one rank reading 9 s slower than the others (a 4 s rank
+def test_a_resume_read_slower_than_the_rank_timeout_does_not_fail_the_job(tmp_path, data, placement, nproc, slow_rank):
+    """Every rank reads the checkpoint it resumes from; one rank reading 12 s slower than the others (a 6 s rank
     timeout, DFLASH_TEST_SLOW_RESUME) must not fail the job: the ranks meet on the checkpoint group after the reads,
     and target ranks wait for the drafters' start on the start group."""
     target, shards = data
     run = tmp_path / "run"
     sections = dict(checkpoint={"every_steps": 2}, placement={"timeout_s": SHORT_RANK_TIMEOUT_S, **placement})
-    nproc = 2
     first = write_recipe(tmp_path / "first.yaml", run, target, shards, train={"max_steps": 2}, **sections)
     out, _, status = run_job(launcher(first, nproc), "step")
     assert status == 0, out

@@ -607,6 +607,11 @@ class RunConfig:
             "run_dir",
             "must name a directory (empty, the run would write its checkpoints into the current one)",
         )
+        _require(
+            not self.eval.argmax_drafts or self.drafter.algorithm == "dflash2",
+            "eval.argmax_drafts",
+            "needs drafter.algorithm: dflash2 (a DFlash drafter drafts each slot's argmax already)",
+        )
 
 
 def _require(ok: bool, key: str, message: str) -> None:

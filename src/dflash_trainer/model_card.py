@@ -26,10 +26,11 @@ def has_training_record(config: Mapping[str, Any]) -> bool:
 
 
 def matching_evaluation(config: Mapping[str, Any], evaluation: Mapping[str, Any] | None) -> Mapping[str, Any] | None:
-    """`evaluation` when it is a complete report of the export's own weights, else None."""
+    """`evaluation` when it is a complete report of the export's own weights drafting as served, else None (a DFlash2
+    report with `argmax_drafts` is a diagnostic of the same weights, not their result)."""
     training = config.get(TRAINING_KEY) or {}
     digest = training.get("weights_digest")
-    if not evaluation or not digest or evaluation.get("drafter_digest") != digest:
+    if not evaluation or not digest or evaluation.get("drafter_digest") != digest or evaluation.get("argmax_drafts"):
         return None
     return evaluation if evaluation.get("datasets") else None
 

@@ -11,8 +11,9 @@
   waiting peer also leaves within seconds. It gives the failing rank `GRACE_S` to print and exit first, so that
   torchrun names the right rank as the root cause.
 - An operation blocked on a peer that vanished without closing its connections (a dead machine) fails after
-  `placement.timeout_s`, the timeout of the process groups, or after that plus `checkpoint.timeout_s` where the
-  wait may span a checkpoint being written (the ranks meeting its writer, the feature sends of a disaggregated job).
+  `placement.timeout_s`, the timeout of the process groups, except where the wait may span a checkpoint being
+  written or read: the ranks meeting its writer, or each other after reading the one they resume from, wait up to
+  `checkpoint.timeout_s`; a disaggregated job's feature sends and start broadcast up to the sum of the two.
   torchrun stops the remaining ranks as well (SIGTERM, then SIGKILL after its shutdown timeout, 30 s by default).
 
 Test hooks, read from the environment once per rank (used by tests/test_failure.py and

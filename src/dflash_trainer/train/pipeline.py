@@ -451,7 +451,9 @@ def export_command(*, checkpoint: str, out_dir: str, dtype: str, overwrite: bool
         training["data"] = known.get("data")
     digest = drafter_digest(drafter.state_dict())
     evaluations = [read_report(path / "eval" / "eval.json") for path in (source, run)]
-    evaluation = next((report for report in evaluations if report.get("drafter_digest") == digest), None)
+    evaluation = next(
+        (r for r in evaluations if r.get("drafter_digest") == digest and not r.get("argmax_drafts")), None
+    )
     export_drafter(
         drafter,
         out_dir,
@@ -504,6 +506,8 @@ def eval_command(
     if argmax_drafts and out_dir is None:
         # Not `eval/` beside the export: the model card shows that report, and this one is not what is served.
         out_dir = str(source / "eval-argmax")
+    if argmax_drafts and Path(out_dir).resolve() == (source / "eval").resolve():
+        raise ConfigError(f"--argmax-drafts --out {out_dir}: that is the drafter's own evaluation; choose another")
     target_config = run_config_of(source).target if (source / "config.yaml").is_file() else None
     export_config = read_export_config(source)
     # An export records its target: found here by its name, recorded path or the cache, and checked after loading.
