@@ -46,7 +46,8 @@ class Roles:
     drafter_group: dist.ProcessGroup | None = None
     payload_group: dist.ProcessGroup | None = None
     header_group: dist.ProcessGroup | None = None
-    # The drafter ranks on gloo with `checkpoint.timeout_s`: they wait here while the lead drafter writes.
+    # The drafter ranks on gloo with `checkpoint.timeout_s`: they wait here while the lead drafter writes a
+    # checkpoint, and for each other to read the one they resume from.
     checkpoint_group: dist.ProcessGroup | None = None
     # Every rank on gloo: the start's broadcast (`broadcast_start`), after the drafters resumed.
     start_group: dist.ProcessGroup | None = None
@@ -120,8 +121,9 @@ def assign_roles(world: World, placement: PlacementConfig, *, checkpoint_timeout
 
 
 def checkpoint_wait_group(ranks: list[int] | None, timeout_s: float) -> dist.ProcessGroup:
-    """A gloo group of `ranks` (None: every rank) whose collectives wait up to `timeout_s`: where the ranks meet
-    after the main rank wrote a checkpoint. The training group's timeout (`placement.timeout_s`, about a step's
-    worth) is too short for a large checkpoint, and an NCCL group's timeout is fixed when it is made. Created on
-    every rank of the job, members or not (`dist.new_group`'s rule)."""
+    """A gloo group of `ranks` (None: every rank) whose collectives wait up to `timeout_s`: for the waits that may
+    span a checkpoint being written or read (the ranks meeting its writer, or each other after resuming; the
+    start's broadcast). The training group's timeout (`placement.timeout_s`, about a step's worth) is too short for
+    a large checkpoint, and an NCCL group's timeout is fixed when it is made. Created on every rank of the job,
+    members or not (`dist.new_group`'s rule)."""
     return dist.new_group(ranks=ranks, timeout=datetime.timedelta(seconds=timeout_s), backend="gloo")
