@@ -14,6 +14,7 @@ from dflash_trainer.train.plot import (
     _log_loss_axis,
     _plot_compared,
     _plot_loss,
+    _plot_tau,
     _smoothed,
     plot_run,
     plot_runs,
@@ -120,6 +121,15 @@ def test_a_loss_falling_a_decade_or_more_gets_a_log_axis_and_a_flat_one_does_not
     assert _plot_loss(reaching_zero).axes[0].get_yscale() == "linear"
     flat_with_low_eval = [*flat, {"step": 59, "eval_loss": 0.1}]  # the evaluation's markers count too
     assert _plot_loss(flat_with_low_eval).axes[0].get_yscale() == "log"
+
+
+def test_the_tau_plot_shows_argmax_draft_evaluations_beside_the_walks():
+    records = [{"step": step, "tau": 1.0 + step / 100} for step in range(1, 50)]
+    records += [{"step": 20, "eval_tau": 1.5, "eval_tau_argmax": 1.4}, {"step": 40, "eval_tau": 1.8}]
+    labels = [line.get_label() for line in _plot_tau(records).axes[0].get_lines()]
+    assert "eval" in labels and "eval, argmax drafts (no walk)" in labels
+    plain = [record for record in records if "eval_tau_argmax" not in record]
+    assert not any("argmax" in line.get_label() for line in _plot_tau(plain).axes[0].get_lines())
 
 
 def test_several_runs_are_overlaid_in_one_plot_each(tmp_path, capsys):

@@ -26,6 +26,7 @@ converting device counters happens once per log step, the one place the hot loop
     inflight         batches in flight to a drafter (disaggregated placement)
     wait_<name>_s    seconds spent waiting on <name> per step (e.g. wait_features_s)
     eval_tau, eval_loss   from periodic speculative-decoding evaluation
+    eval_tau_argmax  the same evaluation drafting each slot's argmax (DFlash2 with `eval.argmax_drafts`)
     eta_s            seconds left (`Progress.eta_seconds`)
 
 List values are per-slot metrics: element i belongs to block slot i+1 and goes to TensorBoard as
@@ -337,7 +338,7 @@ def format_console_line(step: int, total_steps: int, values: Mapping[str, Metric
     return " | ".join(parts)
 
 
-_EVAL_FIELDS = (("eval_tau", "tau", 2), ("eval_loss", "loss", 4))
+_EVAL_FIELDS = (("eval_tau", "tau", 2), ("eval_tau_argmax", "tau_argmax", 2), ("eval_loss", "loss", 4))
 
 
 def _format_accuracy(values: Mapping[str, MetricValue]) -> str:

@@ -235,13 +235,19 @@ def _log_loss_axis(figure: Figure | None) -> Figure | None:
 
 
 def _plot_tau(records: list[Record]) -> Figure | None:
-    return _plot_train_and_eval(
+    figure = _plot_train_and_eval(
         records,
         train_name="tau",
         eval_name="eval_tau",
         ylabel="tokens per target forward",
         title="Acceptance length: train E[tau], eval tau",
     )
+    argmax_steps, argmax_values = _scalar_series(records, "eval_tau_argmax")
+    if figure is not None and len(argmax_steps):  # DFlash2 with eval.argmax_drafts: what the walk adds
+        axes = figure.axes[0]
+        axes.plot(argmax_steps, argmax_values, color="tab:orange", marker="s", label="eval, argmax drafts (no walk)")
+        axes.legend()
+    return figure
 
 
 def _plot_accuracy(records: list[Record]) -> Figure | None:
