@@ -76,3 +76,40 @@ def test_a_stop_signal_in_the_evaluation_ends_the_run_at_once_with_the_export_wr
         run_training(config, should_stop=stop)
     assert (tmp_path / "run" / "export" / "model.safetensors").is_file()
     assert not stop.requested and not (tmp_path / "run" / "eval").exists()
+
+
+def test_a_dflash2_run_with_argmax_drafts_evaluates_the_export_twice(tmp_path, monkeypatch):
+    """`eval.argmax_drafts` at the end: the export as served (the walk) into eval/ and the model card, then a fresh
+    copy drafting by argmax into eval-argmax/, marked so."""
+    target = save_tiny_target(tmp_path / "target")
+    shards = write_counting_shards(tmp_path / "shards", num_samples=16)
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"id": f"p{i}", "prompt": f"w{i} w{i + 5} w9"}) + "\n" for i in range(2)))
+    dflash2 = {"algorithm": "dflash2", "dflash2": {"conv_group_size": 16, "selector_rank": 16, "selector_top_k": 8}}
+    recipe = write_recipe(
+        tmp_path / "recipe.yaml",
+        tmp_path / "run",
+        target,
+        shards,
+        drafter=dflash2,
+        train={"max_steps": 2},
+        eval={"at_end": True, "datasets": [str(prompts)], "num_prompts": 2, "max_new_tokens": 8, "argmax_drafts": True},
+    )
+    walks = []
+    real_evaluate = runner.evaluate
+
+    def spy(target, drafter, *args, **kwargs):
+        walks.append(drafter.walk_drafts)
+        return real_evaluate(target, drafter, *args, **kwargs)
+
+    monkeypatch.setattr(runner, "evaluate", spy)
+    run_training(load_config(recipe, []))
+
+    assert walks == [True, False]
+    served = json.loads((tmp_path / "run" / "eval" / "eval.json").read_text())
+    argmax = json.loads((tmp_path / "run" / "eval-argmax" / "eval.json").read_text())
+    assert not served["argmax_drafts"] and argmax["argmax_drafts"]
+    assert served["drafter_digest"] == argmax["drafter_digest"]  # the same weights
+    assert argmax["datasets"][0]["exact_matches"] == 2  # lossless drafting by argmax too
+    card = (tmp_path / "run" / "export" / "README.md").read_text()
+    assert f"{served['datasets'][0]['tau']:.2f}" in card

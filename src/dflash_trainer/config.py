@@ -442,8 +442,9 @@ class EvalConfig:
     # +19-20 % speed-up at batch 1 on an H200, equal tau), not on the CPU (where compiling costs more than it saves).
     compile_drafter: bool | None = None
     # DFlash2: every periodic evaluation decodes its prompts a second time drafting each slot's argmax (the selector
-    # unused), logged as `eval_tau_argmax` beside `eval_tau`: what the walk adds on held-out prompts (on the
-    # training blocks: `selector_tau_prefix` against `tau_prefix`). Doubles the periodic evaluations' time.
+    # unused), logged as `eval_tau_argmax` beside `eval_tau`, and the end evaluation too (per set, into
+    # run_dir/eval-argmax): what the walk adds on held-out prompts (on the training blocks: `selector_tau_prefix`
+    # against `tau_prefix`). Doubles the evaluations' time.
     argmax_drafts: bool = False
 
     def validate(self) -> None:

@@ -11,6 +11,7 @@ import contextlib
 import json
 import time
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -268,21 +269,26 @@ def _run_training(
         if target is None or config.target.fp8:
             target = load_config_target(config, device=str(world.device))
         # Evaluate what users serve: the exported file, read back in the target's dtype.
-        exported = import_drafter(export_dir, device=target.device, dtype=target.dtype)
-        report = evaluate(
+        evaluate_export = partial(
+            evaluate,
             target,
-            exported,
-            config.eval.datasets,
+            datasets=config.eval.datasets,
             num_prompts=config.eval.num_prompts,
             max_new_tokens=config.eval.max_new_tokens,
             temperature=config.eval.temperature,
-            out_dir=run_dir / "eval",
             batch_size=config.eval.batch_size,
             recurrent_state_dtype=STATE_DTYPES[config.target.recurrent_state_dtype],
             compile_drafter=config.eval.compile_drafter,
         )
+        exported = import_drafter(export_dir, device=target.device, dtype=target.dtype)
+        report = evaluate_export(exported, out_dir=run_dir / "eval")
         print(report.format_table())
         refresh_model_card(export_dir, report.to_dict())  # the card shows the held-out tau of these weights
+        if config.eval.argmax_drafts:  # DFlash2 (the config refuses it otherwise): what the walk adds, per set
+            # A fresh copy: the one above is compiled for decoding, and compiling its walk again would wrap it twice.
+            again = import_drafter(export_dir, device=target.device, dtype=target.dtype)
+            with again.argmax_drafts():
+                print(evaluate_export(again, out_dir=run_dir / "eval-argmax").format_table())
     plots = []
     if config.metrics.plot_at_end:
         from .plot import plot_run
