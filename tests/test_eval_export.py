@@ -19,7 +19,8 @@ from dflash_trainer.train.pipeline import run_training
 from train_helpers import save_tiny_target, write_counting_shards, write_recipe
 
 
-def tiny_run_with_evaluation(tmp_path):
+def tiny_run_with_evaluation(tmp_path, *, drafter: dict | None = None, **evaluation):
+    """A 2-step run of a tiny target evaluated at the end on two prompts (`evaluation`: more `eval` keys)."""
     target = save_tiny_target(tmp_path / "target")
     shards = write_counting_shards(tmp_path / "shards", num_samples=16)
     prompts = tmp_path / "prompts.jsonl"
@@ -29,8 +30,9 @@ def tiny_run_with_evaluation(tmp_path):
         tmp_path / "run",
         target,
         shards,
+        drafter=drafter or {},
         train={"max_steps": 2},
-        eval={"at_end": True, "datasets": [str(prompts)], "num_prompts": 2, "max_new_tokens": 8},
+        eval={"at_end": True, "datasets": [str(prompts)], "num_prompts": 2, "max_new_tokens": 8, **evaluation},
     )
     return load_config(recipe, [])
 
@@ -81,20 +83,8 @@ def test_a_stop_signal_in_the_evaluation_ends_the_run_at_once_with_the_export_wr
 def test_a_dflash2_run_with_argmax_drafts_evaluates_the_export_twice(tmp_path, monkeypatch):
     """`eval.argmax_drafts` at the end: the export as served (the walk) into eval/ and the model card, then a fresh
     copy drafting by argmax into eval-argmax/, marked so."""
-    target = save_tiny_target(tmp_path / "target")
-    shards = write_counting_shards(tmp_path / "shards", num_samples=16)
-    prompts = tmp_path / "prompts.jsonl"
-    prompts.write_text("".join(json.dumps({"id": f"p{i}", "prompt": f"w{i} w{i + 5} w9"}) + "\n" for i in range(2)))
     dflash2 = {"algorithm": "dflash2", "dflash2": {"conv_group_size": 16, "selector_rank": 16, "selector_top_k": 8}}
-    recipe = write_recipe(
-        tmp_path / "recipe.yaml",
-        tmp_path / "run",
-        target,
-        shards,
-        drafter=dflash2,
-        train={"max_steps": 2},
-        eval={"at_end": True, "datasets": [str(prompts)], "num_prompts": 2, "max_new_tokens": 8, "argmax_drafts": True},
-    )
+    config = tiny_run_with_evaluation(tmp_path, drafter=dflash2, argmax_drafts=True)
     walks = []
     real_evaluate = runner.evaluate
 
@@ -103,7 +93,7 @@ def test_a_dflash2_run_with_argmax_drafts_evaluates_the_export_twice(tmp_path, m
         return real_evaluate(target, drafter, *args, **kwargs)
 
     monkeypatch.setattr(runner, "evaluate", spy)
-    run_training(load_config(recipe, []))
+    run_training(config)
 
     assert walks == [True, False]
     served = json.loads((tmp_path / "run" / "eval" / "eval.json").read_text())
