@@ -257,6 +257,15 @@ def _exit_now(code: int) -> NoReturn:
     os._exit(code)
 
 
+def _seconds_for_rank(name: str, rank: int) -> float:
+    """SECONDS from the environment variable `name` set to RANK:SECONDS when RANK is `rank`, else 0."""
+    value = os.environ.get(name, "")
+    if not value:
+        return 0.0
+    named_rank, _, seconds = value.partition(":")
+    return float(seconds) if int(named_rank) == rank else 0.0
+
+
 @dataclass(frozen=True)
 class FaultInjection:
     """Test hooks from the environment (see the module docstring)."""
@@ -269,7 +278,7 @@ class FaultInjection:
 
     @classmethod
     def from_env(cls, rank: int) -> FaultInjection:
-        fail_step, kill, slow_s, slow_resume_s = None, False, 0.0, 0.0
+        fail_step, kill = None, False
         fail = os.environ.get(FAIL_ENV, "")
         if fail:
             parts = fail.split(":")
@@ -277,17 +286,13 @@ class FaultInjection:
                 raise ValueError(f"{FAIL_ENV}={fail!r}: expected RANK:STEP or RANK:STEP:kill")
             if int(parts[0]) == rank:
                 fail_step, kill = int(parts[1]), len(parts) == 3
-        slow = os.environ.get(SLOW_ENV, "")
-        if slow:
-            slow_rank, _, seconds = slow.partition(":")
-            if int(slow_rank) == rank:
-                slow_s = float(seconds)
-        slow_resume = os.environ.get(SLOW_RESUME_ENV, "")
-        if slow_resume:
-            slow_rank, _, seconds = slow_resume.partition(":")
-            if int(slow_rank) == rank:
-                slow_resume_s = float(seconds)
-        return cls(rank=rank, fail_step=fail_step, kill=kill, slow_s=slow_s, slow_resume_s=slow_resume_s)
+        return cls(
+            rank=rank,
+            fail_step=fail_step,
+            kill=kill,
+            slow_s=_seconds_for_rank(SLOW_ENV, rank),
+            slow_resume_s=_seconds_for_rank(SLOW_RESUME_ENV, rank),
+        )
 
     def at_resume(self) -> None:
         """Called once a rank has read the checkpoint it resumes from."""
