@@ -7,6 +7,7 @@ chose between, beside a DFlash drafter trained identically, over several trainin
     gold        `gold_injection: true`  (a label missing from the top-k replaces the weakest candidate; speculators)
     stopgrad    `stop_gradient: true`   (the term trains the selector's own parameters only; SpecForge)
     warmup      `warmup_ratio: 0.1, ramp_ratio: 0.2` (alpha 0 for 10 % of the steps, then a linear ramp; SpecForge)
+    embedding   `drafter.dflash2.selector_codebooks: embedding` (the codebooks as maps of the target's embedding)
     dflash      `drafter.algorithm: dflash`, the baseline (per-slot argmax, no selector)
 
 How: the task of `tests/test_dflash2_train.py` (tests/progression_task.py): arithmetic progressions modulo 17 whose
@@ -70,6 +71,7 @@ VARIANTS: dict[str, tuple[dict, dict]] = {  # name: (drafter keys, loss.selector
     "gold": (DFLASH2, {"gold_injection": True}),
     "stopgrad": (DFLASH2, {"stop_gradient": True}),
     "warmup": (DFLASH2, {"warmup_ratio": 0.1, "ramp_ratio": 0.2}),
+    "embedding": ({**DFLASH2, "dflash2": {**DFLASH2["dflash2"], "selector_codebooks": "embedding"}}, {}),
     "dflash": ({}, {}),
 }
 SELECTOR_METRICS = ("selector_acc", "selector_recall", "selector_tau_prefix")

@@ -106,6 +106,9 @@ class DFlash2Config:
     selector_rank: int = 256
     # Candidates per slot (the unary top-k) the selector chooses among.
     selector_top_k: int = 16
+    # The selector's codebooks as trained: `free` [V, rank] tensors (the published layout), or `embedding`: maps of the
+    # target's token embedding, [rank, H] each (model/dflash2/selector.py). Exports hold the codebooks either way.
+    selector_codebooks: Literal["free", "embedding"] = "free"
 
     def validate(self) -> None:
         _require(self.conv_kernel_size >= 1, "drafter.dflash2.conv_kernel_size", "must be >= 1")
@@ -612,6 +615,17 @@ class RunConfig:
             not self.eval.argmax_drafts or self.drafter.algorithm == "dflash2",
             "eval.argmax_drafts",
             "needs drafter.algorithm: dflash2 (a DFlash drafter drafts each slot's argmax already)",
+        )
+        _require(
+            self.drafter.dflash2.selector_codebooks == "free" or self.placement.sharding != "fsdp2",
+            "drafter.dflash2.selector_codebooks",
+            "'embedding' is not supported with placement.sharding: fsdp2 (its codebooks are refreshed from the whole "
+            "maps when a state dict is taken); use ddp or free codebooks",
+        )
+        _require(
+            self.drafter.dflash2.selector_codebooks == "free" or not self.drafter.init_from,
+            "drafter.dflash2.selector_codebooks",
+            "'embedding' cannot start from drafter.init_from (an export holds codebooks, not their maps)",
         )
 
 

@@ -235,7 +235,7 @@ def export_drafter(
         config[TARGET_KEY] = target.to_json()
     state = {
         name: tensor.detach().to(device="cpu", dtype=dtype).contiguous()
-        for name, tensor in drafter.state_dict().items()
+        for name, tensor in drafter.export_state_dict().items()
     }
     if training is not None:
         config[TRAINING_KEY] = {**training, "weights_digest": drafter_digest(state)}

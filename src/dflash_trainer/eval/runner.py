@@ -278,7 +278,7 @@ def evaluate(
         max_new_tokens=max_new_tokens,
         datasets=[],
         complete=False,
-        drafter_digest=drafter_digest(drafter.state_dict()),
+        drafter_digest=drafter_digest(drafter.export_state_dict()),
         compiled_drafter=compile_drafter,
         argmax_drafts=not getattr(drafter, "walk_drafts", True),
     )

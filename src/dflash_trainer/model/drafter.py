@@ -277,6 +277,10 @@ class DFlashDrafter(nn.Module):
         for layer in self.layers:
             layer.self_attn.flex_kernel_options = dict(options)
 
+    def export_state_dict(self) -> dict[str, Tensor]:
+        """The tensors an export holds (and its digest covers): DFlash's whole state dict."""
+        return self.state_dict()
+
     def use_fp8_training(self, scaling: Fp8Scaling = "tensorwise") -> tuple[int, int]:
         """Train the linear layers (q/k/v/o, gate/up/down, fc; never the norms) in FP8 from now on (`model/fp8.py`):
         same parameters and names, exact in eval mode. Call before compile_layers and before building the optimizer.

@@ -455,7 +455,7 @@ def export_command(*, checkpoint: str, out_dir: str, dtype: str, overwrite: bool
     training = training_record(config, command=known.get("command"), ranks=known.get("ranks"), steps=None)
     if config is None and known:
         training["data"] = known.get("data")
-    digest = drafter_digest(drafter.state_dict())
+    digest = drafter_digest(drafter.export_state_dict())
     evaluations = [read_report(path / "eval" / "eval.json") for path in (source, run)]
     evaluation = next(
         (r for r in evaluations if r.get("drafter_digest") == digest and not r.get("argmax_drafts")), None

@@ -390,6 +390,8 @@ class Trainer:
         # flex masks from tile tables: computed by the data stage when it builds the batches here.
         self._tables_in_data_stage = self.backend == "flex" and self.config.drafter.mask_builder == "anchors"
         self._setup_target_side()
+        if isinstance(self.drafter, DFlash2Drafter) and self.drafter.config.selector_codebooks == "embedding":
+            self.drafter.candidate_selector.bind_token_embedding(self.embed.weight)
         self.gamma = self.config.loss.gamma or default_gamma(self.model_config.block_size)
         if self.config.loss.fp8_head:
             self._check_fp8_head()

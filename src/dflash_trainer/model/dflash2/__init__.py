@@ -24,7 +24,8 @@ exactly what a DFlash drafter of the same weights drafts). We train the codebook
 checkpoints hold (as speculators does). The published parameter counts hint otherwise: 16.5M for the convolutions
 of a 5-layer Qwen3-4B drafter is exactly ours (10 x (2*2*2560 + 4*160*2560)), but 2.0M for the selector is 3 x 2560 x
 256, not the 78M of two free [151936, 256] codebooks: the codebooks were probably rank-256 maps of the 2560-wide
-token embeddings, materialised for the checkpoint. Not implemented; a candidate experiment.
+token embeddings, materialised for the checkpoint. That reading is `drafter.dflash2.selector_codebooks: embedding`
+(`selector.py`); the free codebooks stay the default until it is measured against them.
 
 Modules: `config.py` (architecture keys), `conv.py`, `selector.py`, `drafter.py` (layer and drafter),
 `loss.py` (the selector term and its metrics), `objective.py` (what the trainer calls), `export.py` (the z-lab

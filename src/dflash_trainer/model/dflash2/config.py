@@ -30,6 +30,9 @@ class DFlash2ModelConfig(DrafterModelConfig):
     selector_rank: int = 256
     # Candidates per slot: the unary (LM head) top-k the selector chooses among.
     selector_top_k: int = 16
+    # How training parameterises the codebooks (`selector.py`): free [V, rank] tensors, or maps of the target's
+    # token embedding. Not an export key: an export holds the codebooks themselves either way.
+    selector_codebooks: Literal["free", "embedding"] = "free"
     algorithm: Literal["dflash2"] = "dflash2"
 
     def __post_init__(self) -> None:
@@ -44,6 +47,8 @@ class DFlash2ModelConfig(DrafterModelConfig):
             raise ValueError(f"selector_rank {self.selector_rank} must be >= 1")
         if not 1 <= self.selector_top_k <= self.vocab_size:
             raise ValueError(f"selector_top_k {self.selector_top_k} outside 1..vocab_size ({self.vocab_size})")
+        if self.selector_codebooks not in ("free", "embedding"):
+            raise ValueError(f"selector_codebooks {self.selector_codebooks!r}: 'free' or 'embedding'")
 
     @property
     def conv_groups(self) -> int:
@@ -58,6 +63,7 @@ class DFlash2ModelConfig(DrafterModelConfig):
         conv_group_size: int,
         selector_rank: int,
         selector_top_k: int,
+        selector_codebooks: Literal["free", "embedding"] = "free",
     ) -> DFlash2ModelConfig:
         """`base` (a DFlash architecture, e.g. `DrafterModelConfig.from_target`) with DFlash2's additions."""
         fields = {f.name: getattr(base, f.name) for f in dataclasses.fields(DrafterModelConfig)}
@@ -67,6 +73,7 @@ class DFlash2ModelConfig(DrafterModelConfig):
             conv_group_size=conv_group_size,
             selector_rank=selector_rank,
             selector_top_k=selector_top_k,
+            selector_codebooks=selector_codebooks,
         )
 
     def dflash2_keys(self) -> dict[str, int]:

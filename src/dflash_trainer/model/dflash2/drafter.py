@@ -61,7 +61,11 @@ class DFlash2Drafter(DFlashDrafter):
     def __init__(self, config: DFlash2ModelConfig) -> None:
         super().__init__(config)
         self.candidate_selector = CandidateSelector(
-            config.hidden_size, config.vocab_size, rank=config.selector_rank, top_k=config.selector_top_k
+            config.hidden_size,
+            config.vocab_size,
+            rank=config.selector_rank,
+            top_k=config.selector_top_k,
+            codebooks=config.selector_codebooks,
         )
         # Draft with the selector's walk (what the engines serve); off inside `argmax_drafts`.
         self.walk_drafts = True
@@ -76,6 +80,12 @@ class DFlash2Drafter(DFlashDrafter):
                 module.reset_parameters()
             elif isinstance(module, CandidateSelector):
                 module.reset_parameters(std)
+
+    def export_state_dict(self) -> dict[str, Tensor]:
+        """The published layout: with `embedding` codebooks, the codebooks they give (refreshed as the state dict is
+        taken) and not the maps, which no engine reads."""
+        maps = ("candidate_selector.predecessor_map", "candidate_selector.successor_map")
+        return {name: tensor for name, tensor in self.state_dict().items() if name not in maps}
 
     def draft_tokens(self, hidden: Tensor, logits: Tensor, anchor_tokens: Tensor) -> Tensor:
         """The selector's greedy walk over the unary top-k from the anchor (`selector.py`); each slot's argmax inside

@@ -27,9 +27,11 @@ Memory and compute, as in `model/loss.py`: [slots, V] logits never exist for the
 walks the blocks in chunks; per chunk it scores the candidates and right away forms the gradients with respect to
 the hidden states and the selector's parameters (written out as autograd would form them, the same products and
 casts; the codebook rows it touched are added into dense [V, r] buffers); backward scales them by the incoming
-scalar. The candidates come from the base loss, which ranks the logits it computes anyway (`dflash_loss`'s
-`candidates_top_k`), so DFlash2 runs the LM head once per slot as DFlash does; only with the FP8 head (whose
-logits are not the bf16 ones the engines rank) or when called alone does a chunk run the head for its top-k itself.
+scalar. With `embedding` codebooks (`selector.py`) the [V, r] codebooks are the maps applied to the vocabulary once
+per call, and autograd takes those [V, r] gradients on to the maps. The candidates come from the base loss, which
+ranks the logits it computes anyway (`dflash_loss`'s `candidates_top_k`), so DFlash2 runs the LM head once per
+slot as DFlash does; only with the FP8 head (whose logits are not the bf16 ones the engines rank) or when called
+alone does a chunk run the head for its top-k itself.
 On CUDA the per-chunk function is compiled (`compile`, static shapes on blocks padded to whole chunks, as the base
 loss): eager, its ~80 small ops and an autograd call per chunk left the GPU idle about two thirds of a SmolLM2 step
 (benchmarks/BENCHMARKS.md, 2026-12-03).
@@ -197,11 +199,12 @@ def selector_loss(
         compile=compile and hidden.device.type == "cuda",
     )
     blocks = rows * num_blocks
+    predecessor_codebook, successor_codebook = selector.codebooks()  # [V, r] each (maps of the embedding, or free)
     loss_sum, weight_sum, flat_metrics = _ChunkedSelectorLoss.apply(
         hidden.reshape(blocks, block_size, width),
         projection,
-        selector.predecessor_codebook,
-        selector.successor_codebook,
+        predecessor_codebook,
+        successor_codebook,
         lm_head_weight,
         lm_head_bias,
         labels.reshape(blocks, block_size),

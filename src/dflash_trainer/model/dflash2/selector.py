@@ -19,6 +19,18 @@ The score uses the unary logits exactly as the LM head gives them (z-lab's optio
 `final_logit_softcapping` are not used by our drafters, whose head is the target's). Initialised with the
 successor codebook at zero, so a new selector reproduces the unary argmax.
 
+Codebooks (`codebooks`, a training choice; the checkpoint format is the same either way):
+- `free` (default): A and C are free [V, r] parameters, as the published checkpoints store them and speculators
+  trains them. A token's rows learn only from the blocks it appears in, as predecessor or candidate.
+- `embedding`: A = n(E) M_A^T and C = n(E) M_C^T, with E the target's frozen token embedding [V, H], n() each row
+  scaled to unit RMS, and M_A, M_C [r, H] the parameters: 2rH instead of 2Vr (SmolLM2: 0.3M against 25M). Why: the
+  published parameter count of the selector (2.0M for a Qwen3-4B drafter: 3 x 2560 x 256, where two free codebooks
+  would be 78M) says z-lab trained three [r, H] maps and materialised the codebooks for the checkpoint; and tokens
+  with similar embeddings then share their transition scores, which a held-out prompt's rare pairs need. The
+  embedding is bound by the trainer (`bind_token_embedding`); the codebooks are kept materialised in buffers of the
+  free layout's names, refreshed from the maps whenever a state dict is taken, so checkpoints, exports and a
+  drafter loaded without the target walk with them as with free codebooks. Successor map at zero, as above.
+
 Sources (read, not copied): z-lab/dflash `dflash/model.py` (`CandidateSelector.select`), vLLM
 `model_executor/models/qwen3_dflash2.py` (`_score_edges`, `compute_candidates`) and
 `v1/worker/gpu/spec_decode/dflash2/speculator.py` (`_selector_walk_kernel`).
@@ -26,7 +38,7 @@ Sources (read, not copied): z-lab/dflash `dflash/model.py` (`CandidateSelector.s
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
 
 import torch
 import torch.nn.functional as F
@@ -35,22 +47,100 @@ from torch import Tensor, nn
 if TYPE_CHECKING:
     from .loss import SelectorOutput
 
+Codebooks = Literal["free", "embedding"]
+# Added to the mean square of an embedding row before its RMS scaling (`token_features`).
+_RMS_EPS = 1e-6
+
+
+def token_features(embedding: Tensor) -> Tensor:
+    """Each row of `embedding` [..., H] scaled to unit RMS, in float32 (float64 for float64 input): the input of the
+    `embedding` codebooks' maps, so that their scale does not depend on the target's embedding norms."""
+    rows = embedding.to(torch.promote_types(embedding.dtype, torch.float32))
+    return rows * torch.rsqrt(rows.pow(2).mean(dim=-1, keepdim=True) + _RMS_EPS)
+
 
 class CandidateSelector(nn.Module):
-    def __init__(self, hidden_size: int, vocab_size: int, *, rank: int, top_k: int) -> None:
+    def __init__(
+        self, hidden_size: int, vocab_size: int, *, rank: int, top_k: int, codebooks: Codebooks = "free"
+    ) -> None:
         super().__init__()
+        if codebooks not in ("free", "embedding"):
+            raise ValueError(f"codebooks must be 'free' or 'embedding', got {codebooks!r}")
         self.top_k = top_k
+        self.codebooks_from = codebooks
         # Names and shapes as in the published checkpoints (codebooks are bare tensors there, no `.weight`).
         self.hidden_projection = nn.Linear(hidden_size, rank, bias=False)
-        self.predecessor_codebook = nn.Parameter(torch.empty(vocab_size, rank))
-        self.successor_codebook = nn.Parameter(torch.empty(vocab_size, rank))
+        if codebooks == "free":
+            self.predecessor_codebook = nn.Parameter(torch.empty(vocab_size, rank))
+            self.successor_codebook = nn.Parameter(torch.empty(vocab_size, rank))
+        else:
+            # Bare [r, H] tensors, not `nn.Linear`s: the FP8 drafter converts linear modules, and these are read
+            # as matrices (`codebooks`, `codebook_rows`).
+            self.predecessor_map = nn.Parameter(torch.empty(rank, hidden_size))
+            self.successor_map = nn.Parameter(torch.empty(rank, hidden_size))
+            self.register_buffer("predecessor_codebook", torch.zeros(vocab_size, rank))
+            self.register_buffer("successor_codebook", torch.zeros(vocab_size, rank))
+            self.register_state_dict_pre_hook(_refresh_before_state_dict)
+        self.token_embedding: Tensor | None = None
         self.reset_parameters()
 
     def reset_parameters(self, std: float = 0.02) -> None:
         with torch.no_grad():
             nn.init.normal_(self.hidden_projection.weight, std=std)
-            nn.init.normal_(self.predecessor_codebook, std=std)
-            self.successor_codebook.zero_()  # the transition term starts at 0: the walk is the unary argmax
+            if self.codebooks_from == "free":
+                nn.init.normal_(self.predecessor_codebook, std=std)
+                self.successor_codebook.zero_()  # the transition term starts at 0: the walk is the unary argmax
+            else:
+                # Unit-RMS features times N(0, std^2 / H) entries: codebook rows of about `std`, as the free ones.
+                nn.init.normal_(self.predecessor_map, std=std / self.predecessor_map.shape[1] ** 0.5)
+                self.successor_map.zero_()
+                self.refresh_codebooks()
+
+    def bind_token_embedding(self, weight: Tensor) -> None:
+        """The target's token embedding [V, H] (frozen; not a parameter or buffer of this module, never saved), which
+        the `embedding` codebooks are maps of. The trainer binds it; unbound, the walk reads the stored codebooks."""
+        if self.codebooks_from != "embedding":
+            raise ValueError("bind_token_embedding: this selector's codebooks are free parameters")
+        vocab, width = self.predecessor_codebook.shape[0], self.predecessor_map.shape[1]
+        if tuple(weight.shape) != (vocab, width):
+            raise ValueError(
+                f"bind_token_embedding: expected the [{vocab}, {width}] embedding, got {tuple(weight.shape)}"
+            )
+        self.token_embedding = weight.detach()
+        self.refresh_codebooks()
+
+    def codebooks(self) -> tuple[Tensor, Tensor]:
+        """(A, C), each [V, r]: the parameters, or with `embedding` codebooks the maps applied to the whole
+        vocabulary, differentiable w.r.t. the maps (float32; training reads them once per selector term)."""
+        if self.codebooks_from == "free":
+            return self.predecessor_codebook, self.successor_codebook
+        features = token_features(self._bound_embedding())  # [V, H]
+        with torch.autocast(device_type=features.device.type, enabled=False):
+            return features @ self.predecessor_map.t(), features @ self.successor_map.t()
+
+    @torch.no_grad()
+    def refresh_codebooks(self) -> None:
+        """Materialise the `embedding` codebooks into their buffers (a no-op while no embedding is bound)."""
+        if self.codebooks_from == "embedding" and self.token_embedding is not None:
+            predecessor, successor = self.codebooks()
+            self.predecessor_codebook.copy_(predecessor)
+            self.successor_codebook.copy_(successor)
+
+    def codebook_rows(self, ids: Tensor, *, successor: bool) -> Tensor:
+        """Rows of A (or C) for `ids` [...] -> [..., r]: from the maps while an embedding is bound (the live
+        parameters), else from the codebook tensors."""
+        if self.codebooks_from == "embedding" and self.token_embedding is not None:
+            features = token_features(F.embedding(ids, self.token_embedding))  # [..., H]
+            return F.linear(features, self.successor_map if successor else self.predecessor_map)
+        return F.embedding(ids, self.successor_codebook if successor else self.predecessor_codebook)
+
+    def _bound_embedding(self) -> Tensor:
+        if self.token_embedding is None:
+            raise RuntimeError(
+                "CandidateSelector: `embedding` codebooks are trained from the target's token embedding; "
+                "call bind_token_embedding(target embedding weight) first"
+            )
+        return self.token_embedding
 
     def forward(
         self,
@@ -97,8 +187,8 @@ class CandidateSelector(nn.Module):
         """<A[p] * (P h), C[c]> in `dtype` for every predecessor p and candidate c of a slot.
         hidden [..., H], predecessors [..., Pn], candidates [..., K] -> [..., Pn, K]."""
         gate = F.linear(hidden.to(dtype), self.hidden_projection.weight.to(dtype))  # [..., r]
-        left = F.embedding(predecessors, self.predecessor_codebook).to(dtype) * gate.unsqueeze(-2)  # [..., Pn, r]
-        right = F.embedding(candidates, self.successor_codebook).to(dtype)  # [..., K, r]
+        left = self.codebook_rows(predecessors, successor=False).to(dtype) * gate.unsqueeze(-2)  # [..., Pn, r]
+        right = self.codebook_rows(candidates, successor=True).to(dtype)  # [..., K, r]
         return left @ right.transpose(-1, -2)
 
     def candidates(self, logits: Tensor) -> tuple[Tensor, Tensor]:
@@ -124,3 +214,8 @@ class CandidateSelector(nn.Module):
             previous = row.argmax(dim=-1)[:, None, None]
             drafts.append(ids[:, slot].gather(1, previous[:, 0]))  # [R, 1]
         return torch.cat(drafts, dim=1)
+
+
+def _refresh_before_state_dict(module: CandidateSelector, prefix: str, keep_vars: bool) -> None:
+    # A state dict (checkpoint, export, digest) holds the codebooks of the current maps.
+    module.refresh_codebooks()
