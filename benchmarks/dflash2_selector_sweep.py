@@ -8,6 +8,9 @@ chose between, beside a DFlash drafter trained identically, over several trainin
     stopgrad    `stop_gradient: true`   (the term trains the selector's own parameters only; SpecForge)
     warmup      `warmup_ratio: 0.1, ramp_ratio: 0.2` (alpha 0 for 10 % of the steps, then a linear ramp; SpecForge)
     embedding   `drafter.dflash2.selector_codebooks: embedding` (the codebooks as maps of the target's embedding)
+    embedding-warmup, embedding-stopgrad: the two together
+    embedding-weight2, embedding-weight05: embedding codebooks, the selector term at weight 2 or 0.5
+                (`loss.selector.weight`)
     dflash      `drafter.algorithm: dflash`, the baseline (per-slot argmax, no selector)
 
 How: the task of `tests/test_dflash2_train.py` (tests/progression_task.py): arithmetic progressions modulo 17 whose
@@ -66,12 +69,18 @@ from train_helpers import save_tiny_target, write_recipe
 
 # The test's DFlash2 sizes for the hidden-64 target: 4 conv groups of 16 channels, a rank-16 selector over 8 candidates.
 DFLASH2 = {"algorithm": "dflash2", "dflash2": {"conv_group_size": 16, "selector_rank": 16, "selector_top_k": 8}}
+# The same with the selector's codebooks as maps of the target's embedding.
+EMBEDDING = {**DFLASH2, "dflash2": {**DFLASH2["dflash2"], "selector_codebooks": "embedding"}}
 VARIANTS: dict[str, tuple[dict, dict]] = {  # name: (drafter keys, loss.selector keys)
     "default": (DFLASH2, {}),
     "gold": (DFLASH2, {"gold_injection": True}),
     "stopgrad": (DFLASH2, {"stop_gradient": True}),
     "warmup": (DFLASH2, {"warmup_ratio": 0.1, "ramp_ratio": 0.2}),
-    "embedding": ({**DFLASH2, "dflash2": {**DFLASH2["dflash2"], "selector_codebooks": "embedding"}}, {}),
+    "embedding": (EMBEDDING, {}),
+    "embedding-warmup": (EMBEDDING, {"warmup_ratio": 0.1, "ramp_ratio": 0.2}),
+    "embedding-stopgrad": (EMBEDDING, {"stop_gradient": True}),
+    "embedding-weight2": (EMBEDDING, {"weight": 2.0}),
+    "embedding-weight05": (EMBEDDING, {"weight": 0.5}),
     "dflash": ({}, {}),
 }
 SELECTOR_METRICS = ("selector_acc", "selector_recall", "selector_tau_prefix")

@@ -6,6 +6,7 @@ a read-only or full filesystem is simulated by raising the OSError the kernel wo
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import json
 import math
@@ -413,6 +414,29 @@ def test_resuming_with_another_drafter_is_refused_naming_both_sides(tmp_path, ch
     ckpt.check_resume_compatible(loaded, config, saved)  # the same settings resume
     with pytest.raises(ckpt.CheckpointError, match=named):
         ckpt.check_resume_compatible(loaded, config, tiny_drafter_config(**change))
+
+
+def test_a_checkpoint_written_before_a_drafter_field_existed_resumes_with_its_default(tmp_path):
+    """A field added to the drafter's config since (here DFlash2's `selector_codebooks`) is absent from an older
+    checkpoint's drafter_config.json: it reads as its default, and a run that changes it is refused by its key."""
+    from dflash_trainer.model.dflash2 import DFlash2ModelConfig
+
+    current = DFlash2ModelConfig.extend(
+        tiny_drafter_config(), conv_kernel_size=2, conv_group_size=8, selector_rank=8, selector_top_k=6
+    )
+    older = {key: value for key, value in dataclasses.asdict(current).items() if key != "selector_codebooks"}
+    loaded = ckpt.LoadedCheckpoint(
+        path=tmp_path / "step-00000002",
+        drafter_state={},
+        trainer_state={},
+        drafter_config=older,
+        run_config={"target": {"name_or_path": "t"}},
+    )
+    config = load_config(None, ["target.name_or_path=t"])
+    ckpt.check_resume_compatible(loaded, config, current)
+    changed = dataclasses.replace(current, selector_codebooks="embedding")
+    with pytest.raises(ckpt.CheckpointError, match=r"drafter\.dflash2\.selector_codebooks: 'free' in the checkpoint"):
+        ckpt.check_resume_compatible(loaded, config, changed)
 
 
 def test_resuming_with_another_target_needs_the_flag(tmp_path):

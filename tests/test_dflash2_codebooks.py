@@ -13,6 +13,7 @@ from safetensors.torch import load_file
 from dflash_trainer.config import ConfigError, load_config
 from dflash_trainer.export import export_drafter, import_drafter, load_training_drafter
 from dflash_trainer.model.dflash2 import CandidateSelector, DFlash2Drafter, DFlash2ModelConfig, selector_loss
+from dflash_trainer.model.dflash2 import selector as selector_module
 from dflash_trainer.model.dflash2.selector import token_features
 from dflash_trainer.model.drafter import build_drafter
 from dflash_trainer.model.loss import slot_weights
@@ -46,8 +47,12 @@ def test_token_features_are_unit_rms_rows():
     assert token_features(embedding.bfloat16()).dtype == torch.float32
 
 
-@pytest.mark.parametrize(("gold", "stop", "chunk"), [(False, False, 1), (True, False, 2), (False, True, 64)])
-def test_embedding_codebooks_loss_and_gradients_match_a_dense_reference(gold, stop, chunk):
+@pytest.mark.parametrize(
+    ("gold", "stop", "chunk", "vocab_chunk"), [(False, False, 1, 7), (True, False, 2, 8192), (False, True, 64, 30)]
+)
+def test_embedding_codebooks_loss_and_gradients_match_a_dense_reference(monkeypatch, gold, stop, chunk, vocab_chunk):
+    """`vocab_chunk`: the vocabulary rows the maps' function takes at a time (7: five chunks, the last one short)."""
+    monkeypatch.setattr(selector_module, "_VOCAB_CHUNK", vocab_chunk)
     rows, blocks, block, width, vocab, top_k = 2, 3, 5, 12, 30, 8
     selector, embedding = embedding_selector(width, vocab, top_k=top_k)
     head = torch.randn(vocab, width, dtype=torch.float64)
@@ -100,11 +105,20 @@ def test_embedding_codebooks_loss_and_gradients_match_a_dense_reference(gold, st
 
 
 def test_the_walk_from_the_maps_equals_the_walk_from_the_stored_codebooks():
-    selector, _ = embedding_selector(16, 40, rank=8, top_k=5)
+    selector, embedding = embedding_selector(16, 40, rank=8, top_k=5)
+    with torch.no_grad():  # the maps move after binding (as in training): the stored codebooks are stale now
+        selector.successor_map.mul_(-1.5)
     hidden = torch.randn(4, 7, 16, dtype=torch.float64)
     logits = torch.randn(4, 7, 40, dtype=torch.float64)
     anchor = torch.tensor([0, 5, 9, 39])
     from_maps = selector.walk(hidden, logits, anchor)
+    free = CandidateSelector(16, 40, rank=8, top_k=5).double()  # the engines' view: codebooks of the live maps
+    with torch.no_grad():
+        free.hidden_projection.weight.copy_(selector.hidden_projection.weight)
+        before, after = reference_codebooks(selector, embedding)
+        free.predecessor_codebook.copy_(before)
+        free.successor_codebook.copy_(after)
+    assert torch.equal(from_maps, loop_walk(free, hidden, logits, anchor))
     # The state dict refreshes the stored codebooks from the maps; a selector loaded without the embedding walks
     # with them.
     loaded = CandidateSelector(16, 40, rank=8, top_k=5, codebooks="embedding").double()
@@ -190,6 +204,8 @@ def test_embedding_codebooks_refuse_what_they_cannot_do(overrides, message):
     base = ["drafter.algorithm=dflash2", "drafter.dflash2.selector_codebooks=embedding"]
     with pytest.raises(ConfigError, match=message):
         load_config(None, base + overrides)
+    # A DFlash run ignores the dflash2 keys.
+    load_config(None, ["drafter.algorithm=dflash", "drafter.dflash2.selector_codebooks=embedding", *overrides])
 
 
 def test_a_training_checkpoint_of_embedding_codebooks_walks_without_the_target(tmp_path):
@@ -226,3 +242,9 @@ def test_a_training_checkpoint_of_embedding_codebooks_walks_without_the_target(t
     with torch.no_grad():
         live = trainer.drafter.draft_tokens(hidden, logits, anchor)
         assert torch.equal(loaded.draft_tokens(hidden, logits, anchor), live)
+        # The transition scores themselves (after a few steps they are too small to move the walk off the argmax).
+        candidates = torch.topk(logits, loaded.config.selector_top_k, dim=-1).indices
+        previous = torch.cat([anchor[:, None, None].expand(-1, 1, candidates.shape[-1]), candidates[:, :-1]], dim=1)
+        scores = loaded.candidate_selector.transition_scores(hidden, previous, candidates)
+        assert scores.abs().max() > 0
+        torch.testing.assert_close(scores, selector.transition_scores(hidden, previous, candidates))

@@ -65,12 +65,15 @@ def test_dflash2_loss_falls_and_the_selector_learns(tmp_path, one_thread):
 
 
 @pytest.mark.slow
-def test_two_ddp_ranks_train_the_selector_as_one_rank_with_double_accumulation(tmp_path):
+@pytest.mark.parametrize("codebooks", ["free", "embedding"])
+def test_two_ddp_ranks_train_the_selector_as_one_rank_with_double_accumulation(tmp_path, codebooks):
     """The selector's parameters are read by the loss, outside the drafter's (DDP-wrapped) forward: their gradients
-    must still be averaged over the ranks, like every other parameter's."""
+    must still be averaged over the ranks, like every other parameter's. With `embedding` codebooks the parameters
+    are the maps, and each rank's codebooks follow from them (DDP does not broadcast buffers)."""
     target = save_tiny_target(tmp_path / "target")
     shards = write_counting_shards(tmp_path / "shards", num_samples=40)
-    drafter = {**DFLASH2, "num_layers": 1, "block_size": 4}
+    sizes = {**DFLASH2["dflash2"], "selector_codebooks": codebooks}
+    drafter = {**DFLASH2, "dflash2": sizes, "num_layers": 1, "block_size": 4}
     common = dict(drafter=drafter, train={"max_steps": 4})
     one = write_recipe(tmp_path / "one.yaml", tmp_path / "one", target, shards, optim={"grad_accum": 2}, **common)
     two = write_recipe(tmp_path / "two.yaml", tmp_path / "two", target, shards, **common)

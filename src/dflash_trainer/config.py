@@ -616,14 +616,16 @@ class RunConfig:
             "eval.argmax_drafts",
             "needs drafter.algorithm: dflash2 (a DFlash drafter drafts each slot's argmax already)",
         )
+        drafter = self.drafter
+        embedding_codebooks = drafter.algorithm == "dflash2" and drafter.dflash2.selector_codebooks == "embedding"
         _require(
-            self.drafter.dflash2.selector_codebooks == "free" or self.placement.sharding != "fsdp2",
+            not embedding_codebooks or self.placement.sharding != "fsdp2",
             "drafter.dflash2.selector_codebooks",
             "'embedding' is not supported with placement.sharding: fsdp2 (its codebooks are refreshed from the whole "
             "maps when a state dict is taken); use ddp or free codebooks",
         )
         _require(
-            self.drafter.dflash2.selector_codebooks == "free" or not self.drafter.init_from,
+            not embedding_codebooks or not drafter.init_from,
             "drafter.dflash2.selector_codebooks",
             "'embedding' cannot start from drafter.init_from (an export holds codebooks, not their maps)",
         )

@@ -95,6 +95,11 @@ _RECIPE_KEYS = {
     "layer_types": "drafter.sliding_layers",
     "sliding_window": "drafter.sliding_window",
     "sliding_causal_in_block": "drafter.sliding_causal_in_block",
+    "conv_kernel_size": "drafter.dflash2.conv_kernel_size",
+    "conv_group_size": "drafter.dflash2.conv_group_size",
+    "selector_rank": "drafter.dflash2.selector_rank",
+    "selector_top_k": "drafter.dflash2.selector_top_k",
+    "selector_codebooks": "drafter.dflash2.selector_codebooks",
 }
 # Recipe keys the batch order depends on (the sampler refuses a resume that changes them).
 _DATA_ORDER_KEYS = ("seed", "token_budget", "max_seq_len", "max_batch_size", "packing")
@@ -463,9 +468,12 @@ def _refuse(source: Path, rows: list[str]) -> CheckpointError:
 def check_resume_compatible(loaded: LoadedCheckpoint, config: RunConfig, model_config: DrafterModelConfig) -> None:
     """Refuse a checkpoint whose drafter architecture or target differs from this run's (both values named)."""
     now = dataclasses.asdict(model_config)
+    # A field added since the checkpoint was written reads as its default (which keeps the older behaviour).
+    defaults = {f.name: f.default for f in dataclasses.fields(model_config) if f.default is not dataclasses.MISSING}
+    saved = {**defaults, **loaded.drafter_config}
     rows = [
-        f"{_RECIPE_KEYS.get(key, f'target shape ({key})')}: {saved!r} in the checkpoint, {current!r} now"
-        for key, saved, current in _differences(loaded.drafter_config, now, list(now))
+        f"{_RECIPE_KEYS.get(key, f'target shape ({key})')}: {before!r} in the checkpoint, {current!r} now"
+        for key, before, current in _differences(saved, now, list(now))
     ]
     rows += _target_differences(loaded.run_config, config)
     if rows:

@@ -75,8 +75,10 @@ class LocalSync:
 class DdpSync(LocalSync):
     def __init__(self, drafter: nn.Module, group: dist.ProcessGroup | None = None) -> None:
         super().__init__(drafter)
-        # Replicas start equal: every rank seeds the same init, and DDP broadcasts rank 0's weights too.
-        self.ddp = DistributedDataParallel(drafter, process_group=group)
+        # Replicas start equal: every rank seeds the same init, and DDP broadcasts rank 0's weights too. No buffer
+        # needs broadcasting at every forward (DDP's default): the drafter's are constants (RoPE frequencies) or
+        # follow from the parameters on every rank (DFlash2's `embedding` codebooks, [V, r] each).
+        self.ddp = DistributedDataParallel(drafter, process_group=group, broadcast_buffers=False)
 
     @property
     def module(self) -> nn.Module:

@@ -43,6 +43,7 @@ from typing import TYPE_CHECKING, Literal
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.autograd.function import FunctionCtx, once_differentiable
 
 if TYPE_CHECKING:
     from .loss import SelectorOutput
@@ -114,9 +115,7 @@ class CandidateSelector(nn.Module):
         vocabulary, differentiable w.r.t. the maps (float32; training reads them once per selector term)."""
         if self.codebooks_from == "free":
             return self.predecessor_codebook, self.successor_codebook
-        features = token_features(self._bound_embedding())  # [V, H]
-        with torch.autocast(device_type=features.device.type, enabled=False):
-            return features @ self.predecessor_map.t(), features @ self.successor_map.t()
+        return _MapsOfEmbedding.apply(self._bound_embedding(), self.predecessor_map, self.successor_map)
 
     @torch.no_grad()
     def refresh_codebooks(self) -> None:
@@ -130,8 +129,10 @@ class CandidateSelector(nn.Module):
         """Rows of A (or C) for `ids` [...] -> [..., r]: from the maps while an embedding is bound (the live
         parameters), else from the codebook tensors."""
         if self.codebooks_from == "embedding" and self.token_embedding is not None:
-            features = token_features(F.embedding(ids, self.token_embedding))  # [..., H]
-            return F.linear(features, self.successor_map if successor else self.predecessor_map)
+            matrix = self.successor_map if successor else self.predecessor_map  # [r, H]
+            features = token_features(F.embedding(ids, self.token_embedding)).to(matrix.dtype)  # [..., H]
+            with torch.autocast(device_type=features.device.type, enabled=False):  # as `codebooks` computes them
+                return F.linear(features, matrix)
         return F.embedding(ids, self.successor_codebook if successor else self.predecessor_codebook)
 
     def _bound_embedding(self) -> Tensor:
@@ -214,6 +215,45 @@ class CandidateSelector(nn.Module):
             previous = row.argmax(dim=-1)[:, None, None]
             drafts.append(ids[:, slot].gather(1, previous[:, 0]))  # [R, 1]
         return torch.cat(drafts, dim=1)
+
+
+# Vocabulary rows per step of `_MapsOfEmbedding`: the float32 features of 8,192 rows of a 5,120-wide embedding (the
+# 27B target's) are 168 MB, where the whole [248K, 5120] at once would be 5 GB.
+_VOCAB_CHUNK = 8192
+
+
+class _MapsOfEmbedding(torch.autograd.Function):
+    """(embedding E [V, H], maps M_A, M_C [r, H]) -> (n(E) M_A^T, n(E) M_C^T), each [V, r] in the maps' dtype.
+
+    Autograd over `token_features(E) @ M^T` would keep the [V, H] float32 features for the backward (and build them
+    whole); this walks the vocabulary in chunks, forward and backward, recomputing each chunk's features there
+    (E is frozen: no gradient flows to it). Products in the maps' dtype with autocast off, float32 for the master
+    weights: at the 8B shape about 0.64 TFLOP each way per call, ~13 ms per direction at float32 rates (SmolLM2:
+    29 GFLOP in all, under 1 ms)."""
+
+    @staticmethod
+    def forward(ctx: FunctionCtx, embedding: Tensor, predecessor_map: Tensor, successor_map: Tensor):
+        maps = torch.stack([predecessor_map, successor_map]).detach()  # [2, r, H]
+        vocab = embedding.shape[0]
+        out = maps.new_empty(2, vocab, maps.shape[1])  # [2, V, r]
+        with torch.autocast(device_type=embedding.device.type, enabled=False):
+            for start in range(0, vocab, _VOCAB_CHUNK):
+                features = token_features(embedding[start : start + _VOCAB_CHUNK]).to(maps.dtype)  # [c, H]
+                out[:, start : start + _VOCAB_CHUNK] = features @ maps.transpose(1, 2)
+        ctx.save_for_backward(embedding, maps)
+        return out[0], out[1]
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: FunctionCtx, grad_predecessor: Tensor, grad_successor: Tensor):
+        embedding, maps = ctx.saved_tensors
+        grads = torch.stack([grad_predecessor, grad_successor]).to(maps.dtype)  # [2, V, r]
+        grad_maps = torch.zeros_like(maps)  # [2, r, H]
+        with torch.autocast(device_type=embedding.device.type, enabled=False):
+            for start in range(0, embedding.shape[0], _VOCAB_CHUNK):
+                features = token_features(embedding[start : start + _VOCAB_CHUNK]).to(maps.dtype)  # [c, H]
+                grad_maps += grads[:, start : start + _VOCAB_CHUNK].transpose(1, 2) @ features
+        return None, grad_maps[0], grad_maps[1]
 
 
 def _refresh_before_state_dict(module: CandidateSelector, prefix: str, keep_vars: bool) -> None:
