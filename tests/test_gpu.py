@@ -213,6 +213,67 @@ def test_compiled_selector_term_on_gpu_matches_its_eager_self_in_bf16():
             assert (a.float() - b.float()).abs().max() <= 2e-2 * scale, name
 
 
+def test_embedding_codebooks_on_gpu_match_float64_and_train_through_the_compiled_term():
+    """DFlash2's `embedding` codebooks on CUDA: the maps' chunked products (float32) against float64 on the CPU,
+    values and map gradients; then the compiled selector term with them against its eager self in bf16."""
+    from dflash_trainer.model.dflash2 import CandidateSelector
+    from dflash_trainer.model.dflash2 import selector as selector_module
+    from test_dflash2 import selector_inputs, selector_results
+
+    torch.manual_seed(0)
+    vocab, width, rank = 20_000, 64, 16  # 3 vocabulary chunks of 8,192
+    reference = CandidateSelector(width, vocab, rank=rank, top_k=8, codebooks="embedding").double()
+    with torch.no_grad():
+        reference.successor_map.normal_(std=0.1)
+    embedding = torch.randn(vocab, width, dtype=torch.float64)
+    reference.bind_token_embedding(embedding)
+    gpu = CandidateSelector(width, vocab, rank=rank, top_k=8, codebooks="embedding").cuda()
+    gpu.load_state_dict(reference.state_dict())
+    gpu.bind_token_embedding(embedding.to("cuda", torch.bfloat16))
+    upstream = torch.randn(2, vocab, rank, dtype=torch.float64)
+    expected = reference.codebooks()
+    torch.autograd.backward(expected, list(upstream))
+    got = gpu.codebooks()
+    torch.autograd.backward(got, [g.cuda().float() for g in upstream])
+    # The GPU's embedding is bf16 (as the target's): compare against float64 of the same rounded rows.
+    rounded = CandidateSelector(width, vocab, rank=rank, top_k=8, codebooks="embedding").double()
+    rounded.load_state_dict(reference.state_dict())
+    rounded.bind_token_embedding(embedding.bfloat16().double())
+    wanted = rounded.codebooks()
+    for a, b in zip(got, wanted, strict=True):
+        torch.testing.assert_close(a.cpu().double(), b.detach(), rtol=1e-4, atol=1e-4)
+    torch.autograd.backward(wanted, list(upstream))
+    for name in ("predecessor_map", "successor_map"):
+        a, b = getattr(gpu, name).grad.cpu().double(), getattr(rounded, name).grad
+        assert (a - b).abs().max() <= 1e-4 * b.abs().max(), name
+    assert vocab > selector_module._VOCAB_CHUNK
+
+    inputs = selector_inputs(dtype=torch.bfloat16, blocks=7, bias=True)
+    selector = CandidateSelector(12, 40, rank=6, top_k=8, codebooks="embedding")
+    with torch.no_grad():
+        for parameter in selector.parameters():
+            parameter.normal_(std=0.5)
+    selector = selector.cuda()
+    selector.bind_token_embedding(torch.randn(40, 12, device="cuda").bfloat16())
+    inputs = {
+        **inputs,
+        "hidden": inputs["hidden"].detach().cuda().requires_grad_(),
+        "selector": selector,
+        **{k: inputs[k].cuda() for k in ("lm_head_weight", "lm_head_bias", "labels", "predecessors", "valid")},
+    }
+    maps = (selector.predecessor_map, selector.successor_map)
+    eager = selector_results(inputs, chunk_blocks=3, compile=False)[:4]  # loss, metrics, hidden, projection
+    eager += [m.grad.clone() for m in maps]
+    compiled = selector_results(inputs, chunk_blocks=3, compile=True)[:4] + [m.grad for m in maps]
+    names = ["loss", "metrics", "hidden", "projection", "predecessor map", "successor map"]
+    for name, a, b in zip(names, eager, compiled, strict=True):
+        if name == "metrics":
+            assert torch.allclose(a, b, rtol=1e-5, atol=1e-6), name
+        else:
+            scale = a.float().abs().max().clamp_min(1e-6)
+            assert scale > 1e-5 and (a.float() - b.float()).abs().max() <= 2e-2 * scale, name
+
+
 @pytest.mark.parametrize("index", [0, 1], ids=["current-device", "another-device"])
 def test_reading_a_steps_flags_waits_for_that_step_only(index):
     """`StepFlags.read` one step later must wait for the step that made the flags (right values) and not for the
