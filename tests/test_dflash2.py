@@ -196,8 +196,9 @@ def test_walk_follows_the_previous_choice_like_the_engines():
     assert not torch.equal(drafts, logits.argmax(dim=-1))
 
 
-def reference_selector_loss(hidden, head, selector, labels, predecessors, valid, *, gamma, gold, stop):
-    """Dense float64 autograd version of model/dflash2/loss.py (full logits, no chunks, no custom Function)."""
+def reference_selector_loss(hidden, head, selector, labels, predecessors, valid, *, gamma, gold, stop, codebooks=None):
+    """Dense float64 autograd version of model/dflash2/loss.py (full logits, no chunks, no custom Function).
+    `codebooks`: (A, C) [V, r] to score with; None: the selector's own (free) codebooks."""
     block = hidden.shape[2]
     h = hidden[:, :, 1:]
     target_tokens = labels[:, :, 1:]
@@ -209,8 +210,9 @@ def reference_selector_loss(hidden, head, selector, labels, predecessors, valid,
     source = h.detach() if stop else h
     unary = (source @ head.T).gather(-1, ids)
     gate = source @ selector.hidden_projection.weight.T
-    left = selector.predecessor_codebook[predecessors[:, :, 1:]] * gate
-    scores = unary + torch.einsum("rnsq,rnskq->rnsk", left, selector.successor_codebook[ids])
+    before, after = codebooks or (selector.predecessor_codebook, selector.successor_codebook)
+    left = before[predecessors[:, :, 1:]] * gate
+    scores = unary + torch.einsum("rnsq,rnskq->rnsk", left, after[ids])
     target = (ids == target_tokens[..., None]).double().argmax(-1)
     ce = torch.logsumexp(scores, -1) - scores.gather(-1, target[..., None])[..., 0]
     counted = valid[:, :, 1:] & (present | gold)
@@ -218,11 +220,23 @@ def reference_selector_loss(hidden, head, selector, labels, predecessors, valid,
     return (weights * torch.where(counted, ce, 0.0)).sum() / weights.sum()
 
 
+def reference_codebooks(selector: CandidateSelector, embedding):
+    """`embedding` codebooks in float64 from their definition: unit-RMS embedding rows times each map."""
+    features = embedding / embedding.pow(2).mean(-1, keepdim=True).add(1e-6).sqrt()
+    return features @ selector.predecessor_map.T, features @ selector.successor_map.T
+
+
+@pytest.mark.parametrize("codebooks", ["free", "embedding"])
 @pytest.mark.parametrize(("gold", "stop", "chunk"), [(False, False, 1), (True, False, 2), (False, True, 64)])
-def test_selector_loss_and_gradients_match_a_dense_reference(gold, stop, chunk):
+def test_selector_loss_and_gradients_match_a_dense_reference(monkeypatch, codebooks, gold, stop, chunk):
+    """With `embedding` codebooks the parameters are the two maps; the maps' function walks the vocabulary of 30 in
+    chunks of 7 rows here (five, the last one short)."""
+    from dflash_trainer.model.dflash2 import selector as selector_module
+
+    monkeypatch.setattr(selector_module, "_VOCAB_CHUNK", 7)
     torch.manual_seed(0)
     rows, blocks, block, width, vocab = 2, 3, 5, 12, 30
-    selector = CandidateSelector(width, vocab, rank=6, top_k=8).double()
+    selector = CandidateSelector(width, vocab, rank=6, top_k=8, codebooks=codebooks).double()
     with torch.no_grad():
         for parameter in selector.parameters():
             parameter.normal_(std=0.5)
@@ -235,6 +249,15 @@ def test_selector_loss_and_gradients_match_a_dense_reference(gold, stop, chunk):
     predecessors = torch.randint(0, vocab, (rows, blocks, block))
     valid = torch.rand(rows, blocks, block) < 0.8
     valid[..., 0] = False
+    if codebooks == "embedding":
+        # Rows of mixed scales, as a real embedding's: the unit-RMS scaling matters.
+        embedding = torch.randn(vocab, width, dtype=torch.float64) * torch.rand(vocab, 1, dtype=torch.float64).add(0.1)
+        selector.bind_token_embedding(embedding)
+        scored = reference_codebooks(selector, embedding)
+        params = [selector.hidden_projection.weight, selector.predecessor_map, selector.successor_map]
+    else:
+        scored = None
+        params = [selector.hidden_projection.weight, selector.predecessor_codebook, selector.successor_codebook]
 
     out = selector_loss(
         hidden,
@@ -248,10 +271,9 @@ def test_selector_loss_and_gradients_match_a_dense_reference(gold, stop, chunk):
         stop_gradient=stop,
         chunk_blocks=chunk,
     )
-    params = [selector.hidden_projection.weight, selector.predecessor_codebook, selector.successor_codebook]
     got = torch.autograd.grad(out.loss, [hidden, *params], allow_unused=True)
     expected_loss = reference_selector_loss(
-        hidden, head, selector, labels, predecessors, valid, gamma=2.0, gold=gold, stop=stop
+        hidden, head, selector, labels, predecessors, valid, gamma=2.0, gold=gold, stop=stop, codebooks=scored
     )
     expected = torch.autograd.grad(expected_loss, [hidden, *params], allow_unused=True)
     torch.testing.assert_close(out.loss, expected_loss)

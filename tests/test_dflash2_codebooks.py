@@ -1,5 +1,5 @@
-"""DFlash2's `embedding` codebooks (model/dflash2/selector.py): the selector's loss and gradients against a dense
-float64 reference through the maps, the walk from the maps against the walk from the stored codebooks, and exports
+"""DFlash2's `embedding` codebooks (model/dflash2/selector.py; their loss and gradients against the dense float64
+reference are in test_dflash2.py): the walk from the maps against the walk from the stored codebooks, and exports
 in the published free layout that draft what the trained drafter drafts."""
 
 from __future__ import annotations
@@ -12,13 +12,11 @@ from safetensors.torch import load_file
 
 from dflash_trainer.config import ConfigError, load_config
 from dflash_trainer.export import export_drafter, import_drafter, load_training_drafter
-from dflash_trainer.model.dflash2 import CandidateSelector, DFlash2Drafter, DFlash2ModelConfig, selector_loss
-from dflash_trainer.model.dflash2 import selector as selector_module
+from dflash_trainer.model.dflash2 import CandidateSelector, DFlash2Drafter, DFlash2ModelConfig
 from dflash_trainer.model.dflash2.selector import token_features
 from dflash_trainer.model.drafter import build_drafter
-from dflash_trainer.model.loss import slot_weights
 from model_helpers import tiny_drafter_config
-from test_dflash2 import DFLASH2_SIZES, loop_walk
+from test_dflash2 import DFLASH2_SIZES, loop_walk, reference_codebooks
 
 MAPS = ("candidate_selector.predecessor_map", "candidate_selector.successor_map")
 
@@ -35,73 +33,10 @@ def embedding_selector(width=12, vocab=30, *, rank=6, top_k=8, dtype=torch.float
     return selector, embedding
 
 
-def reference_codebooks(selector, embedding):
-    rms = embedding.pow(2).mean(-1, keepdim=True).add(1e-6).sqrt()
-    features = embedding / rms
-    return features @ selector.predecessor_map.T, features @ selector.successor_map.T
-
-
 def test_token_features_are_unit_rms_rows():
     embedding = torch.randn(7, 16, dtype=torch.float64) * 5
     torch.testing.assert_close(token_features(embedding).pow(2).mean(-1), torch.ones(7, dtype=torch.float64))
     assert token_features(embedding.bfloat16()).dtype == torch.float32
-
-
-@pytest.mark.parametrize(
-    ("gold", "stop", "chunk", "vocab_chunk"), [(False, False, 1, 7), (True, False, 2, 8192), (False, True, 64, 30)]
-)
-def test_embedding_codebooks_loss_and_gradients_match_a_dense_reference(monkeypatch, gold, stop, chunk, vocab_chunk):
-    """`vocab_chunk`: the vocabulary rows the maps' function takes at a time (7: five chunks, the last one short)."""
-    monkeypatch.setattr(selector_module, "_VOCAB_CHUNK", vocab_chunk)
-    rows, blocks, block, width, vocab, top_k = 2, 3, 5, 12, 30, 8
-    selector, embedding = embedding_selector(width, vocab, top_k=top_k)
-    head = torch.randn(vocab, width, dtype=torch.float64)
-    hidden = torch.randn(rows, blocks, block, width, dtype=torch.float64, requires_grad=True)
-    best = (hidden.detach() @ head.T).argmax(-1)
-    labels = torch.where(torch.rand(rows, blocks, block) < 0.5, best, torch.randint(0, vocab, (rows, blocks, block)))
-    predecessors = torch.randint(0, vocab, (rows, blocks, block))
-    valid = torch.rand(rows, blocks, block) < 0.8
-    valid[..., 0] = False
-
-    out = selector_loss(
-        hidden,
-        head,
-        selector,
-        labels,
-        predecessors,
-        valid,
-        gamma=2.0,
-        gold_injection=gold,
-        stop_gradient=stop,
-        chunk_blocks=chunk,
-    )
-    params = [hidden, selector.hidden_projection.weight, selector.predecessor_map, selector.successor_map]
-    got = torch.autograd.grad(out.loss, params, allow_unused=True)
-
-    # Dense: full logits, codebooks from the maps, autograd all the way.
-    h, tokens = hidden[:, :, 1:], labels[:, :, 1:]
-    ids = torch.topk(h.detach() @ head.T, top_k, dim=-1).indices
-    present = (ids == tokens[..., None]).any(-1)
-    if gold:
-        ids = ids.clone()
-        ids[..., -1] = torch.where(present, ids[..., -1], tokens)
-    source = h.detach() if stop else h
-    before, after = reference_codebooks(selector, embedding)
-    left = before[predecessors[:, :, 1:]] * (source @ selector.hidden_projection.weight.T)
-    scores = (source @ head.T).gather(-1, ids) + torch.einsum("rnsq,rnskq->rnsk", left, after[ids])
-    target = (ids == tokens[..., None]).double().argmax(-1)
-    ce = torch.logsumexp(scores, -1) - scores.gather(-1, target[..., None])[..., 0]
-    counted = valid[:, :, 1:] & (present | gold)
-    weights = slot_weights(block, 2.0, dtype=torch.float64)[1:] * counted
-    expected_loss = (weights * torch.where(counted, ce, 0.0)).sum() / weights.sum()
-    expected = torch.autograd.grad(expected_loss, params, allow_unused=True)
-
-    torch.testing.assert_close(out.loss, expected_loss)
-    for name, a, b in zip(["hidden", "projection", "predecessor map", "successor map"], got, expected, strict=True):
-        if b is None:  # stop_gradient: nothing reaches the hidden states
-            assert a is None or torch.count_nonzero(a) == 0, name
-        else:
-            torch.testing.assert_close(a, b, msg=name)
 
 
 def test_the_walk_from_the_maps_equals_the_walk_from_the_stored_codebooks():
