@@ -80,11 +80,15 @@ def test_a_stop_signal_in_the_evaluation_ends_the_run_at_once_with_the_export_wr
     assert not stop.requested and not (tmp_path / "run" / "eval").exists()
 
 
-def test_a_dflash2_run_with_argmax_drafts_evaluates_the_export_twice(tmp_path, monkeypatch):
+@pytest.mark.parametrize("codebooks", ["free", "embedding"])
+def test_a_dflash2_run_with_argmax_drafts_evaluates_the_export_twice(tmp_path, monkeypatch, codebooks):
     """`eval.argmax_drafts` at the end: the export as served (the walk) into eval/ and the model card, then a fresh
-    copy drafting by argmax into eval-argmax/, marked so."""
-    dflash2 = {"algorithm": "dflash2", "dflash2": {"conv_group_size": 16, "selector_rank": 16, "selector_top_k": 8}}
-    config = tiny_run_with_evaluation(tmp_path, drafter=dflash2, argmax_drafts=True)
+    copy drafting by argmax into eval-argmax/, marked so. With `embedding` codebooks also a periodic evaluation (the
+    training drafter walking from its maps) and an export in the published layout."""
+    sizes = {"conv_group_size": 16, "selector_rank": 16, "selector_top_k": 8, "selector_codebooks": codebooks}
+    dflash2 = {"algorithm": "dflash2", "dflash2": sizes}
+    periodic = {"every_steps": 1} if codebooks == "embedding" else {}
+    config = tiny_run_with_evaluation(tmp_path, drafter=dflash2, argmax_drafts=True, **periodic)
     walks = []
     real_evaluate = runner.evaluate
 
@@ -96,6 +100,11 @@ def test_a_dflash2_run_with_argmax_drafts_evaluates_the_export_twice(tmp_path, m
     run_training(config)
 
     assert walks == [True, False]
+    if codebooks == "embedding":
+        metrics = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+        assert [r["eval_tau"] >= 1.0 and r["eval_tau_argmax"] >= 1.0 for r in metrics if "eval_tau" in r] == [True] * 2
+        exported = load_file(str(tmp_path / "run" / "export" / "model.safetensors"))
+        assert "candidate_selector.successor_codebook" in exported and not any("_map" in name for name in exported)
     served = json.loads((tmp_path / "run" / "eval" / "eval.json").read_text())
     argmax = json.loads((tmp_path / "run" / "eval-argmax" / "eval.json").read_text())
     assert not served["argmax_drafts"] and argmax["argmax_drafts"]
