@@ -434,6 +434,16 @@ def test_a_checkpoint_written_before_a_drafter_field_existed_resumes_with_its_de
     )
     config = load_config(None, ["target.name_or_path=t"])
     ckpt.check_resume_compatible(loaded, config, current)
+    # Not across drafter families: a DFlash checkpoint (no `algorithm` key) does not take DFlash2's defaults.
+    dflash = ckpt.LoadedCheckpoint(
+        path=tmp_path / "step-00000002",
+        drafter_state={},
+        trainer_state={},
+        drafter_config=dataclasses.asdict(tiny_drafter_config()),
+        run_config={"target": {"name_or_path": "t"}},
+    )
+    with pytest.raises(ckpt.CheckpointError, match=r"drafter\.algorithm: 'dflash' in the checkpoint, 'dflash2' now"):
+        ckpt.check_resume_compatible(dflash, config, current)
     changed = dataclasses.replace(current, selector_codebooks="embedding")
     with pytest.raises(ckpt.CheckpointError, match=r"drafter\.dflash2\.selector_codebooks: 'free' in the checkpoint"):
         ckpt.check_resume_compatible(loaded, config, changed)
@@ -457,6 +467,8 @@ def test_config_level_mismatch_is_refused_before_the_target_loads(tmp_path):
     save(run_dir, 2, config=load_config(None, [f"run_dir={run_dir}", "drafter.block_size=16"]))
     with pytest.raises(ckpt.CheckpointError, match=r"drafter\.block_size: 16 in the checkpoint, 8 now"):
         ckpt.preflight(load_config(None, [f"run_dir={run_dir}", "drafter.block_size=8"]))
+    with pytest.raises(ckpt.CheckpointError, match=r"drafter\.algorithm: 'dflash' in the checkpoint, 'dflash2' now"):
+        ckpt.preflight(load_config(None, [f"run_dir={run_dir}", "drafter.block_size=16", "drafter.algorithm=dflash2"]))
     # Auto values (unset mask token) are compared after the target loads, not here.
     ckpt.preflight(load_config(None, [f"run_dir={run_dir}", "drafter.block_size=16", "drafter.mask_token_id=5"]))
 

@@ -105,6 +105,7 @@ _RECIPE_KEYS = {
 _DATA_ORDER_KEYS = ("seed", "token_budget", "max_seq_len", "max_batch_size", "packing")
 # Recipe keys that shape the drafter; compared before any work when both sides set them explicitly.
 _ARCHITECTURE_RECIPE_KEYS = (
+    "algorithm",
     "num_layers",
     "num_target_features",
     "target_layer_ids",
@@ -468,6 +469,13 @@ def _refuse(source: Path, rows: list[str]) -> CheckpointError:
 def check_resume_compatible(loaded: LoadedCheckpoint, config: RunConfig, model_config: DrafterModelConfig) -> None:
     """Refuse a checkpoint whose drafter architecture or target differs from this run's (both values named)."""
     now = dataclasses.asdict(model_config)
+    # The drafter family first (a DFlash checkpoint has no `algorithm` key): the defaults below are this family's.
+    saved_algorithm = loaded.drafter_config.get("algorithm", "dflash")
+    current_algorithm = now.get("algorithm", "dflash")
+    if saved_algorithm != current_algorithm:
+        raise _refuse(
+            loaded.path, [f"drafter.algorithm: {saved_algorithm!r} in the checkpoint, {current_algorithm!r} now"]
+        )
     # A field added since the checkpoint was written reads as its default (which keeps the older behaviour).
     defaults = {f.name: f.default for f in dataclasses.fields(model_config) if f.default is not dataclasses.MISSING}
     saved = {**defaults, **loaded.drafter_config}

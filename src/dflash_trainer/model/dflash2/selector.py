@@ -247,12 +247,12 @@ class _MapsOfEmbedding(torch.autograd.Function):
     @once_differentiable
     def backward(ctx: FunctionCtx, grad_predecessor: Tensor, grad_successor: Tensor):
         embedding, maps = ctx.saved_tensors
-        grads = torch.stack([grad_predecessor, grad_successor]).to(maps.dtype)  # [2, V, r]
         grad_maps = torch.zeros_like(maps)  # [2, r, H]
         with torch.autocast(device_type=embedding.device.type, enabled=False):
             for start in range(0, embedding.shape[0], _VOCAB_CHUNK):
                 features = token_features(embedding[start : start + _VOCAB_CHUNK]).to(maps.dtype)  # [c, H]
-                grad_maps += grads[:, start : start + _VOCAB_CHUNK].transpose(1, 2) @ features
+                for index, grad in enumerate((grad_predecessor, grad_successor)):  # each [V, r]
+                    grad_maps[index] += grad[start : start + _VOCAB_CHUNK].to(maps.dtype).t() @ features
         return None, grad_maps[0], grad_maps[1]
 
 
