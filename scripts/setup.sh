@@ -9,6 +9,17 @@ if [ ! -x .venv/bin/python ]; then
   "$PYTHON" -m venv .venv
 fi
 PIP=".venv/bin/python -m pip"
+# A download cut short by the network fails pip after its own retries; try the whole install again, twice.
+retry() {
+  local attempt
+  for attempt in 1 2 3; do
+    "$@" && return 0
+    echo "setup: attempt $attempt of 3 failed: $*" >&2
+    sleep $((attempt * 10))
+  done
+  return 1
+}
+PIP="retry $PIP"
 $PIP install -q --upgrade pip
 # torch first and pinned: left to the resolver, a bare `torch` requirement pulls a multi-GB CUDA build.
 # On a GPU machine, create .venv with --system-site-packages to keep the CUDA torch you have (README).
