@@ -108,6 +108,7 @@ class DFlash2Config:
     selector_top_k: int = 16
     # The selector's codebooks as trained: `free` [V, rank] tensors (the published layout), or `embedding`: maps of the
     # target's token embedding, [rank, H] each (model/dflash2/selector.py). Exports hold the codebooks either way.
+    # On the GPU main job the maps trained a weaker selector than free codebooks (EXPERIMENTS.md #24): free stays.
     selector_codebooks: Literal["free", "embedding"] = "free"
 
     def validate(self) -> None:
