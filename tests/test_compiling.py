@@ -1,10 +1,12 @@
-"""compiling.py: compiles with symbolic sizes do not turn the first call's coincident sizes into guards (CPU)."""
+"""compiling.py: compiles with symbolic sizes do not turn the first call's coincident sizes into guards; the compile
+workers stay alive; a recompile says why (CPU)."""
 
 import torch
+import torch._inductor.config as inductor_config
 import torch.fx.experimental._config as fx_config
 from torch._dynamo.utils import counters
 
-from dflash_trainer.compiling import compile_dynamic
+from dflash_trainer.compiling import _log_recompiles, compile_dynamic
 from dflash_trainer.model.drafter import DFlashDrafter
 from model_helpers import tiny_drafter_config
 
@@ -44,3 +46,31 @@ def test_compiling_the_drafter_layers_keeps_sizes_apart():
     with fx_config.patch(use_duck_shape=True):
         DFlashDrafter(tiny_drafter_config()).compile_layers()  # lazy: nothing compiles until a call
         assert fx_config.use_duck_shape is False
+
+
+def test_compiling_keeps_the_compile_workers_alive():
+    # Inductor's default quiesces its compile workers when idle and forks new ones at the next compile, which can
+    # deadlock (compiling.py); every compile path of the project turns that off before its first compile.
+    with inductor_config.patch(quiesce_async_compile_pool=True):  # torch's default; restored on exit
+        DFlashDrafter(tiny_drafter_config()).compile_layers()
+        assert inductor_config.quiesce_async_compile_pool is False
+    with inductor_config.patch(quiesce_async_compile_pool=True):
+        compile_dynamic(torch.sin, backend="eager")
+        assert inductor_config.quiesce_async_compile_pool is False
+
+
+def test_a_recompile_is_logged_with_the_guard_that_failed(capfd, monkeypatch):
+    monkeypatch.delenv("TORCH_LOGS", raising=False)
+    _log_recompiles.cache_clear()
+    try:
+        torch._dynamo.reset()
+        compiled = compile_dynamic(lambda x: x * 2, backend="eager")
+        compiled(torch.ones(3))
+        assert "Recompiling" not in capfd.readouterr().err  # a first compile is not a recompile
+        compiled(torch.ones(3, dtype=torch.float64))  # a dtype guard fails: compiled again
+        err = capfd.readouterr().err
+        assert "Recompiling function" in err and "dtype" in err
+    finally:
+        torch._logging.set_logs()  # torch's defaults again for the tests after this one
+        _log_recompiles.cache_clear()
+        torch._dynamo.reset()

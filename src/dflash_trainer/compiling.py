@@ -1,10 +1,11 @@
-"""torch.compile with symbolic sizes, for code that meets a new batch shape every few steps.
+"""torch.compile with symbolic sizes, for code that meets a new batch shape every few steps; the process-wide
+compiler settings every compile of this project wants.
 
-Contract: `compile_dynamic(fn)` is `torch.compile(fn, dynamic=True)` after `keep_sizes_apart()`. The project's
+Contract: `compile_dynamic(fn)` is `torch.compile(fn, dynamic=True)` after `configure_compiler()`. The project's
 compiles with symbolic sizes from the first call go through one of the two (the drafter's layers and norms, its
 FP8 context projection, the target's decoder layers, the drafter's block-mask builder, the FP8 quantizer);
-`flex.py`'s compiled flex attention (`dynamic=None`, symbolic after its first recompile) is covered by the
-process-wide switch once either has run.
+`flex.py`'s compiled flex attention (`dynamic=None`, symbolic after its first recompile) and the losses' static
+per-chunk functions call `configure_compiler()` before their `torch.compile`.
 The compiled code then serves later shapes without a recompile whichever sizes happened to be equal in the first
 call. Sizes 0 and 1 are still specialised (dynamo always does): a first batch of one row compiles once more at two.
 
@@ -14,13 +15,27 @@ and the compiled code guards on their equality. A training batch whose anchor sl
 setting a recompile of the drafter costs 10-40 s. With duck sizing off every size is its own symbol; the guards
 are a few more integer comparisons. The switch is process-wide (`torch.fx.experimental._config.use_duck_shape`),
 which is what a training process wants for all of its compiled code.
+
+Why `keep_compile_workers`: Inductor compiles Triton kernels in a pool of worker processes that a sidecar process
+forks. By default (torch 2.11-2.13) the sidecar shuts its pool down after 60 s without a compile ("quiesce") and
+forks a new one at the next compile. The old pool's threads outlive the shutdown, so the new workers are forked from a
+process with live threads, and one can deadlock in its first import (seen on an H200, torch 2.11: a worker stuck in
+the old executor's `weakref_cb`, a futex never released). The compiling process then waits for that worker's kernel
+forever: a recompile or a compile of a new piece minutes into a run (the main job's drafter layers at step ~770)
+hung the run, no output, GPU idle. Kept alive, the pool is forked once, at the first compile, before any such
+thread exists; the price is its idle worker processes for the life of the process. `configure_compiler` sets both
+switches and asks dynamo to log why it recompiles a frame (`recompiles`: one line naming the failed guard, only when
+it happens; `TORCH_LOGS` overrides it), so a recompile mid-run says what changed.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
+from functools import cache
 
 import torch
+import torch._inductor.config as inductor_config
 import torch.fx.experimental._config as fx_config
 
 
@@ -29,8 +44,29 @@ def keep_sizes_apart() -> None:
     fx_config.use_duck_shape = False
 
 
+def keep_compile_workers() -> None:
+    """Keeps Inductor's compile workers alive for the life of the process instead of quiescing them when idle
+    (module docstring). Takes effect if called before the process's first Inductor compile creates the pool."""
+    inductor_config.quiesce_async_compile_pool = False
+
+
+def configure_compiler() -> None:
+    """The process-wide settings every compile of this project wants, called before compiling: sizes kept apart,
+    compile workers kept alive, recompiles logged with their reason. Idempotent."""
+    keep_sizes_apart()
+    keep_compile_workers()
+    _log_recompiles()
+
+
+@cache
+def _log_recompiles() -> None:
+    """Once per process: `set_logs` resets every other log setting, so a second call would undo a user's own."""
+    if "TORCH_LOGS" not in os.environ:  # where it is set, the user's choice wins (set_logs would warn and do nothing)
+        torch._logging.set_logs(recompiles=True)
+
+
 def compile_dynamic(fn: Callable, *, backend: str = "inductor", mode: str | None = None) -> Callable:
     """`fn` compiled with symbolic sizes from the first call, each size its own symbol; `mode` is Inductor's
     (None: its default)."""
-    keep_sizes_apart()
+    configure_compiler()
     return torch.compile(fn, dynamic=True, backend=backend, mode=mode)

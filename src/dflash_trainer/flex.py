@@ -15,6 +15,8 @@ from functools import cache
 import torch
 from torch import Tensor
 
+from .compiling import configure_compiler
+
 # flex_attention's sparse tile (queries x keys) of a BlockMask.
 TILE = 128
 
@@ -33,4 +35,5 @@ def compiled_flex_attention() -> Callable:
     first shape change recompiles with symbolic sizes instead of once per shape."""
     from torch.nn.attention.flex_attention import flex_attention
 
+    configure_compiler()
     return torch.compile(flex_attention, dynamic=None)

@@ -21,7 +21,7 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding
 
-from ..compiling import compile_dynamic, keep_sizes_apart
+from ..compiling import compile_dynamic, configure_compiler
 from .attention import Backend, DrafterMasks, MaskVariant, attend
 from .config import DrafterModelConfig
 from .fp8 import Fp8Scaling, Fp8TrainingLinear, convert_to_fp8_training, fp8_linear
@@ -298,7 +298,7 @@ class DFlashDrafter(nn.Module):
         over every block position); an FP8 context projection compiles with its norm as one region instead (its
         FP8 GEMMs run inside as opaque ops, `model/fp8.py`). `backend`: another dynamo
         backend, for tests ("eager" counts frames without Inductor)."""
-        keep_sizes_apart()  # the first batch's coincident sizes must not become guards (compiling.py)
+        configure_compiler()  # the first batch's coincident sizes must not become guards (compiling.py)
         self._one_layer_graph = True
         options = {} if backend != "inductor" else {"mode": mode}
         for layer in self.layers:
@@ -320,7 +320,7 @@ class DFlashDrafter(nn.Module):
         per KV bucket. `eval` calls it on a GPU (measured at batch 1 on an H200: a DFlash2 step 1.77 -> 1.48 target
         steps); a compiled drafter is for decoding only, not for training. `backend`: another dynamo backend (a
         name or a callable), for tests."""
-        keep_sizes_apart()
+        configure_compiler()
         for module in self.modules():
             if isinstance(module, (RMSNorm, DrafterMLP)):
                 module.compile(dynamic=True, backend=backend)

@@ -51,6 +51,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.autograd.function import FunctionCtx, once_differentiable
 
+from ..compiling import configure_compiler
 from .fp8_head import Fp8Head, cached_fp8_head, fp8_head_problem, head_input_grad, head_logits
 
 Weighting = Literal["exp", "dpace"]
@@ -564,6 +565,7 @@ class _ChunkedBlockLoss(torch.autograd.Function):
 @lru_cache(maxsize=1)
 def _compiled_loss_chunk():
     # Static shapes (the caller pads to whole chunks) and one graph per loss setting.
+    configure_compiler()
     return torch.compile(_loss_chunk, dynamic=False, fullgraph=True)
 
 

@@ -48,6 +48,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.autograd.function import FunctionCtx, once_differentiable
 
+from ...compiling import configure_compiler
 from ..loss import default_gamma, expected_acceptance, slot_weights, top_k_ids
 from .selector import CandidateSelector
 
@@ -352,6 +353,7 @@ class _ChunkResult(NamedTuple):
 @lru_cache(maxsize=1)
 def _compiled_selector_chunk():
     # Static shapes (the caller pads to whole chunks): one graph per setting, whatever the batch.
+    configure_compiler()
     return torch.compile(_selector_chunk, dynamic=False, fullgraph=True)
 
 
