@@ -376,9 +376,13 @@ class TrainConfig:
     # Read each step's finiteness and stop flags on the host right away (one sync per step) instead of one
     # step later, while the next step runs; the skip itself happens on the device either way.
     sync_every_step: bool = False
+    # Seconds without an optimizer step (or a periodic evaluation, or a checkpoint) after which every thread's stack
+    # is printed to stderr, and again while nothing moves; the run goes on (train/stall.py). 0: never.
+    stall_report_s: float = 900.0
 
     def validate(self) -> None:
         _require(self.epochs >= 1, "train.epochs", "must be >= 1")
+        _require(self.stall_report_s >= 0, "train.stall_report_s", "must be >= 0 (0: off)")
         _require(self.max_steps is None or self.max_steps >= 1, "train.max_steps", "must be >= 1")
         _require(self.seed >= 0, "train.seed", "must be >= 0")
 

@@ -100,6 +100,7 @@ from .profiler import StageProfiler
 from .rank_report import RankProfileReport
 from .schedule import DataPosition, count_steps, epoch_progress, position_of, step_groups
 from .sharding import make_sync
+from .stall import StallReport
 
 
 class NonFiniteLossError(UserError, RuntimeError):
@@ -498,17 +499,22 @@ class Trainer:
             f"{self.dataset.stats.samples} samples, {self.dataset.stats.tokens} tokens | {self.layout()} | "
             f"run dir {self.run_dir}"
         )
+        stall = StallReport(self.config.train.stall_report_s)
         try:
+            stall.start()
             for work in self._step_groups():
                 self._optimizer_step(work.batches, outputs=work.outputs, loss_scale=work.loss_scale)
                 self._trained = work if work.sampler_state is not None else None
                 self.progress.update()
+                stall.beat()
                 if self.step % self.config.metrics.log_every == 0 or self.step == self.total_steps:
                     last_values = self._log_step()
                 if self.config.eval.every_steps and self.step % self.config.eval.every_steps == 0:
                     self._periodic_eval()
+                    stall.beat()
                 if self.step % self.config.checkpoint.every_steps == 0:
                     last_checkpoint = self.save_checkpoint(final=False) or last_checkpoint
+                    stall.beat()
                 if self.stop_agreed:
                     interrupted = True
                     break
@@ -519,6 +525,7 @@ class Trainer:
             if last_checkpoint is None or not last_checkpoint.name.endswith(f"{self.step:08d}"):
                 last_checkpoint = self.save_checkpoint(final=True)
         finally:
+            stall.stop()
             if self._prefetcher is not None:
                 self._prefetcher.close()
             self.progress.close()
