@@ -527,3 +527,17 @@ def test_resume_across_step_groupings_is_refused_and_names_why() -> None:
         make_sampler(lengths, packing=True, anchor_counts=2 * counts).load_state_dict(
             make_sampler(lengths, packing=True, anchor_counts=counts).state_dict()
         )
+
+
+def test_no_batch_of_one_row_where_its_neighbour_can_spare_one():
+    # 49 rows of equal length, 16 per batch: the greedy cut leaves a last batch of one row, which a compiled drafter
+    # would compile again for (dynamo specialises a size of 1). It takes a row from the batch before it instead.
+    lengths = np.full(49, 100)
+    settings = dict(seed=0, token_budget=1600, max_seq_len=100, max_batch_size=16, packing=False)
+    for epoch in range(4):
+        batches = plan_epoch(lengths, epoch=epoch, **settings)
+        assert sorted(len(batch) for batch in batches) == [2, 15, 16, 16]
+        assert sorted(i for batch in batches for row in batch for i in row) == list(range(49))
+    # Where every batch holds one row anyway (rows longer than half the budget), nothing moves.
+    lone = plan_epoch(np.full(5, 900), epoch=0, **settings)
+    assert [len(batch) for batch in lone] == [1] * 5

@@ -18,7 +18,9 @@ every rank):
    the padded anchor slots from about 32 % of a batch to under 10 % (the same samples per epoch, in other
    batches). It also makes batches differ more in size from step to step, and the loss is a mean per step, so a
    slot of a small batch weighs a little more than one of a large batch (on that data shape, slots of short
-   replies about 1.10 and of 256-token replies about 0.94, against 1.01 and 1.00 unsorted).
+   replies about 1.10 and of 256-token replies about 0.94, against 1.01 and 1.00 unsorted). A last batch of a
+   single row takes a row from the batch before it where that one can spare it (`_no_lone_last_row`: a size of 1
+   would compile the drafter again).
 4. The batch order is shuffled with the same generator, so long and short batches alternate over the epoch. With
    `step_batches` > 1 (the global batches of one optimizer step: ranks x micro-batches) neighbouring batches of
    the sorted order are shuffled as groups of that many, so the batches of one step, which different ranks train
@@ -337,18 +339,32 @@ def _cut_batches(
             ordered.extend(sorted(window, key=lambda w: row_keys[w], reverse=True))
             window, window_used = [], 0
 
-    batches: list[list[list[int]]] = []
-    current: list[list[int]] = []
+    cut: list[list[int]] = []  # row indices per batch
+    current: list[int] = []
     longest = 0
     for r in ordered:
         longest_with_row = max(longest, row_lengths[r])
         if current and (len(current) == max_batch_size or (len(current) + 1) * longest_with_row > token_budget):
-            batches.append(current)
+            cut.append(current)
             current, longest_with_row = [], row_lengths[r]
-        current.append(rows[r])
+        current.append(r)
         longest = longest_with_row
-    batches.append(current)
-    return batches
+    cut.append(current)
+    _no_lone_last_row(cut, row_lengths, token_budget=token_budget)
+    return [[rows[r] for r in batch] for batch in cut]
+
+
+def _no_lone_last_row(cut: list[list[int]], row_lengths: list[int], *, token_budget: int) -> None:
+    """In place, on batches of row indices: a last batch of one row takes the last row of the batch before it, where
+    that batch keeps two or more rows and the budget holds. Why: compiled code specialises a size of 1 (dynamo always
+    does), so a step of one row among steps of many compiles the drafter's layers again (10-40 s, once per run) at a
+    random point of the run, the last batch being shuffled into the epoch like every other. On lengths shaped like
+    the SmolLM2 main job's data one epoch in six ended in such a batch. Recipes whose every batch holds one row
+    (`max_batch_size: 1`, or rows longer than half the budget) keep them."""
+    if len(cut) < 2 or len(cut[-1]) != 1 or len(cut[-2]) < 3:
+        return
+    if 2 * max(row_lengths[cut[-2][-1]], row_lengths[cut[-1][0]]) <= token_budget:
+        cut[-1].insert(0, cut[-2].pop())
 
 
 def _deal(batches: list[list[list[int]]], *, rank: int, world_size: int, drop_last: bool) -> list[list[list[int]]]:
