@@ -283,7 +283,7 @@ case "$STAGE" in
         [ -f "$RES/$job.rc" ] && state="exit $(cat "$RES/$job.rc")"
         echo "$job ($state): $(tr '\r' '\n' < "$RES/$job.log" | grep -v '^\s*$' | tail -n 1 | cut -c1-220)"
         # A stall report (train.stall_report_s) or a recompile after the first step would hide behind the last line.
-        grep -h '^stall: \|\[__recompiles\]' "$RES/$job.log" | tail -n 4 | \
+        grep -h '^stall: \|\[__recompiles\]' "$RES/$job.log" | tail -n 6 | \
           cut -c1-300 | sed "s/^/$job: /"
       done
       for log in "$RES"/smoke.log "$RES"/flex_kernel_bench.log "$RES"/train_bench-*.log "$RES"/peer_bench.log \

@@ -1,6 +1,8 @@
 """compiling.py: compiles with symbolic sizes do not turn the first call's coincident sizes into guards; the compile
 workers stay alive; a recompile says why (CPU)."""
 
+import logging
+
 import torch
 import torch._inductor.config as inductor_config
 import torch.fx.experimental._config as fx_config
@@ -48,9 +50,10 @@ def test_compiling_the_drafter_layers_keeps_sizes_apart():
         assert fx_config.use_duck_shape is False
 
 
-def test_compiling_keeps_the_compile_workers_alive():
+def test_compiling_keeps_the_compile_workers_alive(monkeypatch):
     # Inductor's default quiesces its compile workers when idle and forks new ones at the next compile, which can
     # deadlock (compiling.py); every compile path of the project turns that off before its first compile.
+    monkeypatch.delenv("TORCHINDUCTOR_QUIESCE_ASYNC_COMPILE_POOL", raising=False)  # it would override the setting
     with inductor_config.patch(quiesce_async_compile_pool=True):  # torch's default; restored on exit
         DFlashDrafter(tiny_drafter_config()).compile_layers()
         assert inductor_config.quiesce_async_compile_pool is False
@@ -59,18 +62,17 @@ def test_compiling_keeps_the_compile_workers_alive():
         assert inductor_config.quiesce_async_compile_pool is False
 
 
-def test_a_recompile_is_logged_with_the_guard_that_failed(capfd, monkeypatch):
+def test_a_recompile_is_logged_with_the_guard_that_failed(caplog, monkeypatch):
+    # caplog, not capfd: the handlers set_logs makes keep the stream they were made with, which capfd closes.
     monkeypatch.delenv("TORCH_LOGS", raising=False)
-    _log_recompiles.cache_clear()
+    _log_recompiles.cache_clear()  # set_logs runs again, in this test
+    torch._dynamo.reset()
     try:
-        torch._dynamo.reset()
         compiled = compile_dynamic(lambda x: x * 2, backend="eager")
-        compiled(torch.ones(3))
-        assert "Recompiling" not in capfd.readouterr().err  # a first compile is not a recompile
-        compiled(torch.ones(3, dtype=torch.float64))  # a dtype guard fails: compiled again
-        err = capfd.readouterr().err
-        assert "Recompiling function" in err and "dtype" in err
+        with caplog.at_level(logging.DEBUG):
+            compiled(torch.ones(3))
+            assert "Recompiling" not in caplog.text  # a first compile is not a recompile
+            compiled(torch.ones(3, dtype=torch.float64))  # a dtype guard fails: compiled again
+        assert "Recompiling function" in caplog.text and "dtype" in caplog.text
     finally:
-        torch._logging.set_logs()  # torch's defaults again for the tests after this one
-        _log_recompiles.cache_clear()
         torch._dynamo.reset()

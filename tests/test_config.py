@@ -41,7 +41,7 @@ def test_int_is_accepted_for_float_but_not_the_reverse():
         ("=3", r"no key before"),
         ("data.token_budget=100", r"data\.token_budget: must be >= data\.max_seq_len \(2048\)"),
         ("metrics.log_every=0", r"metrics\.log_every: must be >= 1"),
-        ("train.stall_report_s=-1", r"train\.stall_report_s: must be >= 0"),
+        ("train.stall_report_s=0.5", r"train\.stall_report_s: must be 0 \(off\) or >= 1"),
         ("optim.betas=[0.9,1.5]", r"optim\.betas: must be in \[0, 1\)"),
         ("drafter.target_layer_ids=[]", r"drafter\.target_layer_ids: must name at least one layer"),
         ("drafter.target_layer_ids=[1,3,3]", r"drafter\.target_layer_ids: \[1, 3, 3\] must be strictly increasing"),

@@ -8,7 +8,14 @@ import numpy as np
 import pytest
 import torch
 
-from dflash_trainer.data.sampler import SORT_WINDOW_BATCHES, BatchPlan, TokenBudgetSampler, collate, plan_epoch
+from dflash_trainer.data.sampler import (
+    SORT_WINDOW_BATCHES,
+    BatchPlan,
+    TokenBudgetSampler,
+    _no_lone_last_row,
+    collate,
+    plan_epoch,
+)
 from dflash_trainer.data.shards import TokenDataset
 
 MAX_SEQ_LEN = 64
@@ -541,3 +548,15 @@ def test_no_batch_of_one_row_where_its_neighbour_can_spare_one():
     # Where every batch holds one row anyway (rows longer than half the budget), nothing moves.
     lone = plan_epoch(np.full(5, 900), epoch=0, **settings)
     assert [len(batch) for batch in lone] == [1] * 5
+
+
+def test_a_lone_last_row_stays_alone_where_two_would_break_the_budget():
+    fits = [[0, 1, 2], [3]]
+    _no_lone_last_row(fits, [100, 100, 100, 100], token_budget=1600)
+    assert fits == [[0, 1], [2, 3]]
+    too_long = [[0, 1, 2], [3]]  # row 3 and any other row: 2 x 900 > 1600
+    _no_lone_last_row(too_long, [100, 100, 100, 900], token_budget=1600)
+    assert too_long == [[0, 1, 2], [3]]
+    spare_none = [[0, 1], [2]]  # the batch before would be left with one row itself
+    _no_lone_last_row(spare_none, [100, 100, 100], token_budget=1600)
+    assert spare_none == [[0, 1], [2]]

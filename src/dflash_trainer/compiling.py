@@ -26,6 +26,10 @@ hung the run, no output, GPU idle. Kept alive, the pool is forked once, at the f
 thread exists; the price is its idle worker processes for the life of the process. `configure_compiler` sets both
 switches and asks dynamo to log why it recompiles a frame (`recompiles`: one line naming the failed guard, only when
 it happens; `TORCH_LOGS` overrides it), so a recompile mid-run says what changed.
+
+"Process-wide" holds for the thread that compiles: torch 2.13 keeps these configs per thread (a new thread starts
+from the defaults). Every compile of the project runs on the main thread (the batch prefetcher's worker does host
+work only), which is where `configure_compiler` runs.
 """
 
 from __future__ import annotations
@@ -46,8 +50,10 @@ def keep_sizes_apart() -> None:
 
 def keep_compile_workers() -> None:
     """Keeps Inductor's compile workers alive for the life of the process instead of quiescing them when idle
-    (module docstring). Takes effect if called before the process's first Inductor compile creates the pool."""
-    inductor_config.quiesce_async_compile_pool = False
+    (module docstring). Takes effect if called before the process's first Inductor compile creates the pool; a
+    `TORCHINDUCTOR_QUIESCE_ASYNC_COMPILE_POOL` in the environment overrides it. Torch before 2.9 has no quiescing."""
+    if hasattr(inductor_config, "quiesce_async_compile_pool"):
+        inductor_config.quiesce_async_compile_pool = False
 
 
 def configure_compiler() -> None:

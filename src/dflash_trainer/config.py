@@ -382,7 +382,9 @@ class TrainConfig:
 
     def validate(self) -> None:
         _require(self.epochs >= 1, "train.epochs", "must be >= 1")
-        _require(self.stall_report_s >= 0, "train.stall_report_s", "must be >= 0 (0: off)")
+        _require(
+            self.stall_report_s == 0 or self.stall_report_s >= 1, "train.stall_report_s", "must be 0 (off) or >= 1"
+        )
         _require(self.max_steps is None or self.max_steps >= 1, "train.max_steps", "must be >= 1")
         _require(self.seed >= 0, "train.seed", "must be >= 0")
 

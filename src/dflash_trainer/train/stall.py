@@ -2,19 +2,21 @@
 
 `StallReport(timeout_s)` is armed by `start()` (or by entering it as a context manager) and disarmed by `stop()`;
 in between, the trainer calls `beat()` after each unit of progress (an optimizer step, a periodic evaluation, a
-checkpoint). When no beat has come for `timeout_s` seconds, every thread's Python stack goes to stderr, the first
-time headed by a line naming the stall, and again every `timeout_s` seconds while nothing moves. The process goes
+checkpoint). When no beat has come for `timeout_s` seconds, every thread's Python stack goes to stderr, followed
+the first time by a line naming the stall, and again every `timeout_s` seconds while nothing moves. The process goes
 on: a long compile or a slow checkpoint is slow, not dead, and the stacks tell the user which. `timeout_s` 0
 (`train.stall_report_s: 0`) turns it off.
 
 Contract:
 - The dump comes from `faulthandler.dump_traceback_later`, whose watchdog is a C thread: it fires while the main
   thread is blocked without the GIL (a lock, a CUDA sync, a collective, a child process that never answers), where
-  a Python thread could not run. The header line comes from a daemon thread that looks at the time a few times a
-  second, just before the dump is due; it is best effort (a thread holding the GIL forever silences it), the
-  stacks are not.
+  a Python thread could not run. The line naming the stall comes from a daemon thread that looks at the time a
+  few times a second, once the dump is due (so it is printed only when the stacks are): best effort (a thread
+  holding the GIL forever silences it), the stacks are not.
 - One timer per process: faulthandler keeps a single pending dump, so a second report armed inside another (or
   pytest's `faulthandler_timeout`) replaces the first one's timer; the trainer arms one per `fit`.
+- While a dump is pending, a child forked without exec hangs at its exit (faulthandler's timer state is not
+  fork-safe): nothing inside `fit` forks without exec (worker pools are started by exec, or exit by `os._exit`).
 - `beat()` is cheap and takes no device sync: it records the time, and re-arms faulthandler's timer (which starts a
   thread) at most once per `REARM_S` (1 s, or a tenth of `timeout_s`), so a dump may come up to that much early.
 
@@ -33,14 +35,13 @@ from types import TracebackType
 from typing import TextIO
 
 REARM_S = 1.0  # at most this often (or a tenth of the timeout, if shorter) `beat()` re-arms faulthandler's timer
-POLL_S = 0.25  # how often the header thread looks at the time
-HEADER_LEAD_S = 0.5  # the header is written this long before the stacks are due
+POLL_S = 0.25  # how often the watcher thread looks at the time
 
 
 class StallReport:
     def __init__(self, timeout_s: float) -> None:
-        if timeout_s < 0:
-            raise ValueError(f"StallReport: timeout_s must be >= 0, got {timeout_s}")
+        if timeout_s != 0 and timeout_s < 1:
+            raise ValueError(f"StallReport: timeout_s must be 0 (off) or >= 1, got {timeout_s}")
         self.timeout_s = timeout_s
         self._rearm_s = min(REARM_S, timeout_s / 10)
         self._last_beat = self._armed_at = time.monotonic()
@@ -86,15 +87,15 @@ class StallReport:
         faulthandler.dump_traceback_later(self.timeout_s, repeat=True, file=_stderr())
 
     def _watch(self) -> None:
-        headed = None  # the arming whose stall has had its header
+        reported = None  # the arming whose stall has been named
         while not self._stopped.wait(POLL_S):
             armed_at = self._armed_at
-            if armed_at != headed and time.monotonic() - armed_at >= self.timeout_s - HEADER_LEAD_S:
-                headed = armed_at
+            if armed_at != reported and time.monotonic() - armed_at >= self.timeout_s:
+                reported = armed_at
                 print(
                     f"stall: no training progress for {time.monotonic() - self._last_beat:.0f} s "
-                    f"(train.stall_report_s {self.timeout_s:g}); every thread's stack follows, and again while it "
-                    "lasts",
+                    f"(train.stall_report_s {self.timeout_s:g}); every thread's stack is above, and comes again every "
+                    f"{self.timeout_s:g} s while it lasts",
                     file=_stderr(),
                     flush=True,
                 )

@@ -525,11 +525,13 @@ class Trainer:
             if last_checkpoint is None or not last_checkpoint.name.endswith(f"{self.step:08d}"):
                 last_checkpoint = self.save_checkpoint(final=True)
         finally:
-            stall.stop()
-            if self._prefetcher is not None:
-                self._prefetcher.close()
-            self.progress.close()
-            self.logger.close()
+            try:  # a hang in closing (the prefetcher's join, a metrics sink) is reported too
+                if self._prefetcher is not None:
+                    self._prefetcher.close()
+                self.progress.close()
+                self.logger.close()
+            finally:
+                stall.stop()
         if interrupted:
             self.log(f"interrupted at step {self.step}: checkpoint {last_checkpoint}")
         return TrainSummary(
