@@ -377,7 +377,7 @@ class TrainConfig:
     # step later, while the next step runs; the skip itself happens on the device either way.
     sync_every_step: bool = False
     # Seconds without an optimizer step (or a periodic evaluation, or a checkpoint) after which every thread's stack
-    # is printed to stderr, and again while nothing moves; the run goes on (train/stall.py). 0: never.
+    # is printed to stderr, and again while nothing moves; the run goes on (train/stall.py). 0: never; else >= 1.
     stall_report_s: float = 900.0
 
     def validate(self) -> None:
