@@ -51,7 +51,8 @@ def keep_sizes_apart() -> None:
 def keep_compile_workers() -> None:
     """Keeps Inductor's compile workers alive for the life of the process instead of quiescing them when idle
     (module docstring). Takes effect if called before the process's first Inductor compile creates the pool; a
-    `TORCHINDUCTOR_QUIESCE_ASYNC_COMPILE_POOL` in the environment overrides it. A torch without the switch has no quiescing."""
+    `TORCHINDUCTOR_QUIESCE_ASYNC_COMPILE_POOL` in the environment overrides it. A torch without the switch has no
+    quiescing."""
     if hasattr(inductor_config, "quiesce_async_compile_pool"):
         inductor_config.quiesce_async_compile_pool = False
 
