@@ -62,6 +62,17 @@ def test_compiling_keeps_the_compile_workers_alive(monkeypatch):
         assert inductor_config.quiesce_async_compile_pool is False
 
 
+def test_compiling_decides_fusions_without_size_guards():
+    # Inductor's mix-order reduction fusion otherwise guards on the first batch's sizes, and a later batch across its
+    # size line recompiles the drafter's layers (compiling.py: seen at steps ~780 and ~2,780 of a GPU main job).
+    with inductor_config.patch({"triton.mix_order_reduction_non_strict_mode": False}):  # torch's default
+        DFlashDrafter(tiny_drafter_config()).compile_layers()
+        assert inductor_config.triton.mix_order_reduction_non_strict_mode is True
+    with inductor_config.patch({"triton.mix_order_reduction_non_strict_mode": False}):
+        compile_dynamic(torch.sin, backend="eager")
+        assert inductor_config.triton.mix_order_reduction_non_strict_mode is True
+
+
 def test_a_recompile_is_logged_with_the_guard_that_failed(caplog, monkeypatch):
     # caplog, not capfd: the handlers set_logs makes keep the stream they were made with, which capfd closes.
     monkeypatch.delenv("TORCH_LOGS", raising=False)

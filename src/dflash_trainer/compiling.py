@@ -27,6 +27,16 @@ thread exists; the price is its idle worker processes for the life of the proces
 switches and asks dynamo to log why it recompiles a frame (`recompiles`: one line naming the failed guard, only when
 it happens; `TORCH_LOGS` overrides it), so a recompile mid-run says what changed.
 
+Why `no_fusion_size_guards`: Inductor fuses two sibling reductions that run along different axes of one tensor (an
+RMSNorm's backward: the input grad per row, the weight grad over rows) into one "mix-order" kernel only above a
+size (rows x columns >= 5 Mi elements, rows >= 4096, rows >= 2 x columns), and with symbolic sizes it decides by
+putting a guard on the first batch's sizes. A later batch on the other side of the line compiles the frame again:
+the DFlash2 main job's drafter layers at step ~780 (`192*x.size()[0]*x.size()[1] >= 5242880`, a batch of fewer
+block tokens, 26 s), its DFlash layer frame at step ~2,780 (`576*...`), both logged on an H200 with torch 2.11.
+`triton.mix_order_reduction_non_strict_mode` skips those size checks, so the choice no longer depends on the sizes:
+batches above the line get the kernels they got before, the rare one below runs the fused kernel (a few
+microseconds, where the recompile cost seconds). A torch without the switch keeps its guards.
+
 "Process-wide" holds for the thread that compiles: torch 2.13 keeps these configs per thread (a new thread starts
 from the defaults). Every compile of the project runs on the main thread (the batch prefetcher's worker does host
 work only), which is where `configure_compiler` runs.
@@ -57,11 +67,20 @@ def keep_compile_workers() -> None:
         inductor_config.quiesce_async_compile_pool = False
 
 
+def no_fusion_size_guards() -> None:
+    """Inductor's mix-order reduction fusion decided without guards on the sizes (module docstring)."""
+    triton_config = inductor_config.triton
+    if hasattr(triton_config, "mix_order_reduction_non_strict_mode"):
+        triton_config.mix_order_reduction_non_strict_mode = True
+
+
 def configure_compiler() -> None:
     """The process-wide settings every compile of this project wants, called before compiling: sizes kept apart,
-    compile workers kept alive, recompiles logged with their reason. Idempotent."""
+    compile workers kept alive, no size guards from fusion choices, recompiles logged with their reason.
+    Idempotent."""
     keep_sizes_apart()
     keep_compile_workers()
+    no_fusion_size_guards()
     _log_recompiles()
 
 
