@@ -387,6 +387,25 @@ def test_the_selector_chunk_traces_as_one_graph_and_whole_chunks_give_the_eager_
         torch.testing.assert_close(a, b, msg=name)
 
 
+def test_the_compiled_selector_chunk_is_one_graph_whether_the_blocks_fill_whole_chunks_or_not(monkeypatch):
+    """Dynamo guards on requires_grad: a padded chunk (a copy made under forward's no-grad) and a whole one (a view of
+    the input) must look alike to the compiled chunk, or it compiles twice (as the base loss's, test_loss.py)."""
+    from torch._dynamo.utils import counters
+
+    from dflash_trainer.model.dflash2 import loss as loss_module
+
+    compiled = torch.compile(loss_module._selector_chunk, backend="aot_eager", fullgraph=True, dynamic=False)
+    monkeypatch.setattr(loss_module, "_compiled_selector_chunk", lambda: compiled)
+    spec = loss_module._Spec
+    monkeypatch.setattr(loss_module, "_Spec", lambda **fields: spec(**{**fields, "compile": True}))
+    torch._dynamo.reset()
+    counters.clear()
+    for blocks in (8, 7):  # 16 blocks: whole chunks of 4; 14: a padded last chunk
+        selector_results(selector_inputs(blocks=blocks), chunk_blocks=4, compile=True)
+    assert counters["stats"]["unique_graphs"] == 1
+    torch._dynamo.reset()
+
+
 def test_selector_prefix_metric_is_the_accepted_length_of_the_walk():
     """With the walk's own inputs, the teacher-forced leading run of correct choices is exactly how many of the
     walk's drafts match the labels (the verifier's tokens)."""

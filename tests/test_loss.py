@@ -510,6 +510,30 @@ def test_no_grad_mode() -> None:
     torch.testing.assert_close(out.loss, ref, rtol=1e-10, atol=0)
 
 
+def test_the_compiled_chunk_is_one_graph_whether_the_blocks_fill_whole_chunks_or_not(monkeypatch) -> None:
+    """On CUDA the per-chunk function runs compiled (static shapes) on blocks padded to whole chunks. Dynamo guards on
+    requires_grad: a padded chunk (a copy made under forward's no-grad) and a whole one (a view of the input) must
+    look alike, or the graph compiles twice. Here forced on (aot_eager on the CPU), counting compiled graphs."""
+    from torch._dynamo.utils import counters
+
+    from dflash_trainer.model import loss as loss_module
+
+    compiled = torch.compile(loss_module._loss_chunk, backend="aot_eager", fullgraph=True, dynamic=False)
+    monkeypatch.setattr(loss_module, "_compiled_loss_chunk", lambda: compiled)
+    spec = loss_module._LossSpec
+    monkeypatch.setattr(loss_module, "_LossSpec", lambda **fields: spec(**{**fields, "compile": True}))
+    torch._dynamo.reset()
+    counters.clear()
+    for blocks in (8, 7):  # two whole chunks of 4, then a padded last chunk
+        inputs = make_inputs(rows=1, blocks=blocks)
+        hidden = inputs["hidden"].requires_grad_(True)
+        out = dflash_loss(hidden, inputs["weight"], inputs["labels"], inputs["valid"], gamma=4.0, chunk_blocks=4)
+        out.loss.backward()
+        assert hidden.grad is not None and hidden.grad.abs().sum() > 0
+    assert counters["stats"]["unique_graphs"] == 1
+    torch._dynamo.reset()
+
+
 def test_loss_sum_normalises_globally_over_micro_batches() -> None:
     """loss_sum over two halves divided by the total weight equals the loss of the whole batch."""
     inputs = make_inputs(rows=4, seed=23)

@@ -487,6 +487,10 @@ class _ChunkedBlockLoss(torch.autograd.Function):
         slot_rows: Tensor | None,  # [M, B] int64 rows of position_logits
         spec: _LossSpec,
     ) -> tuple[Tensor, ...]:
+        # The chunks' gradient is computed here, not by autograd. Detached, every chunk has one requires_grad state:
+        # a view of the input would require grad, the padded copy (made under forward's no-grad) would not, and the
+        # compiled chunk guards on it (two graphs for one shape, seen on an H200 in a main job's first steps).
+        hidden = hidden.detach()
         blocks, block_size, _ = hidden.shape
         compute_dtype = hidden.dtype
         softmax_dtype = torch.promote_types(compute_dtype, torch.float32)

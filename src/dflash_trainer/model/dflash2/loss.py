@@ -236,6 +236,7 @@ class _ChunkedSelectorLoss(torch.autograd.Function):
         candidates: Tensor | None,  # [M, B-1, K]
         spec: _Spec,
     ) -> tuple[Tensor, Tensor, Tensor]:
+        hidden = hidden.detach()  # one requires_grad state for the compiled chunk (as the base loss: model/loss.py)
         blocks, block_size, _ = hidden.shape
         device = hidden.device
         grads = _Grads.empty(hidden, projection, predecessor_codebook, successor_codebook, spec)
