@@ -1,4 +1,5 @@
-"""Small builders shared by the model tests: a tiny drafter config and a random packed batch."""
+"""Small builders shared by the model tests: a tiny drafter config, a random packed batch, a loss's per-chunk function
+compiled on the CPU as on CUDA."""
 
 from __future__ import annotations
 
@@ -67,3 +68,13 @@ def random_packed_batch(
     )
     block_pos = block_positions(position_ids=position_ids, anchors=anchors, block_size=config.block_size)
     return RandomBatch(input_ids, loss_mask, doc_ids, position_ids, features, anchors, keep, block_ids, block_pos)
+
+
+def force_compiled_chunks(monkeypatch, module, chunk: str, spec: str) -> None:
+    """Make the loss in `module` run its per-chunk function `chunk` compiled, as it does on CUDA only (static shapes,
+    blocks padded to whole chunks): dynamo with the aot_eager backend, and the loss's spec class `spec` built with
+    `compile=True` whatever the device."""
+    compiled = torch.compile(getattr(module, chunk), backend="aot_eager", fullgraph=True, dynamic=False)
+    monkeypatch.setattr(module, f"_compiled{chunk}", lambda: compiled)
+    spec_class = getattr(module, spec)
+    monkeypatch.setattr(module, spec, lambda **fields: spec_class(**{**fields, "compile": True}))

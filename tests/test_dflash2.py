@@ -31,7 +31,7 @@ from dflash_trainer.model.dflash2 import (
 )
 from dflash_trainer.model.drafter import DFlashDrafter, build_drafter
 from dflash_trainer.model.loss import _loss_chunk, dflash_loss, slot_weights
-from model_helpers import random_packed_batch, tiny_drafter_config
+from model_helpers import force_compiled_chunks, random_packed_batch, tiny_drafter_config
 
 DFLASH2_SIZES = dict(conv_kernel_size=2, conv_group_size=8, selector_rank=8, selector_top_k=6)
 
@@ -378,10 +378,7 @@ def test_the_selector_chunk_traces_as_one_graph_and_whole_chunks_give_the_eager_
         logits = F.linear(inputs["hidden"].detach()[:, :, 1:], inputs["lm_head_weight"], inputs["lm_head_bias"])
         candidates = torch.topk(logits, 8, dim=-1).indices
     eager = selector_results(inputs, chunk_blocks=4, candidates=candidates)  # 14 blocks: 3 chunks and a part
-    compiled = torch.compile(loss_module._selector_chunk, backend="aot_eager", fullgraph=True, dynamic=False)
-    monkeypatch.setattr(loss_module, "_compiled_selector_chunk", lambda: compiled)
-    spec = loss_module._Spec
-    monkeypatch.setattr(loss_module, "_Spec", lambda **fields: spec(**{**fields, "compile": True}))
+    force_compiled_chunks(monkeypatch, loss_module, "_selector_chunk", "_Spec")
     padded = selector_results(inputs, chunk_blocks=4, candidates=candidates, compile=True)
     for name, a, b in zip(["loss", "metrics", "hidden", "projection", "before", "after"], eager, padded, strict=True):
         torch.testing.assert_close(a, b, msg=name)
@@ -394,10 +391,7 @@ def test_the_compiled_selector_chunk_is_one_graph_whether_the_blocks_fill_whole_
 
     from dflash_trainer.model.dflash2 import loss as loss_module
 
-    compiled = torch.compile(loss_module._selector_chunk, backend="aot_eager", fullgraph=True, dynamic=False)
-    monkeypatch.setattr(loss_module, "_compiled_selector_chunk", lambda: compiled)
-    spec = loss_module._Spec
-    monkeypatch.setattr(loss_module, "_Spec", lambda **fields: spec(**{**fields, "compile": True}))
+    force_compiled_chunks(monkeypatch, loss_module, "_selector_chunk", "_Spec")
     torch._dynamo.reset()
     counters.clear()
     for blocks in (8, 7):  # 16 blocks: whole chunks of 4; 14: a padded last chunk

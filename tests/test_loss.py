@@ -18,6 +18,7 @@ from dflash_trainer.model.loss import (
     slot_weights,
     target_position_logits,
 )
+from model_helpers import force_compiled_chunks
 
 VOCAB = 50
 WIDTH = 16
@@ -518,10 +519,7 @@ def test_the_compiled_chunk_is_one_graph_whether_the_blocks_fill_whole_chunks_or
 
     from dflash_trainer.model import loss as loss_module
 
-    compiled = torch.compile(loss_module._loss_chunk, backend="aot_eager", fullgraph=True, dynamic=False)
-    monkeypatch.setattr(loss_module, "_compiled_loss_chunk", lambda: compiled)
-    spec = loss_module._LossSpec
-    monkeypatch.setattr(loss_module, "_LossSpec", lambda **fields: spec(**{**fields, "compile": True}))
+    force_compiled_chunks(monkeypatch, loss_module, "_loss_chunk", "_LossSpec")
     torch._dynamo.reset()
     counters.clear()
     for blocks in (8, 7):  # two whole chunks of 4, then a padded last chunk
