@@ -132,6 +132,14 @@ def test_the_tau_plot_shows_argmax_draft_evaluations_beside_the_walks():
     assert not any("argmax" in line.get_label() for line in _plot_tau(plain).axes[0].get_lines())
 
 
+def test_the_tau_plot_draws_each_evaluated_set():
+    records = [{"step": step, "tau": 1.0 + step / 100} for step in range(1, 50)]
+    records += [{"step": s, "eval_tau": 1.5, "eval_tau_gsm8k": 1.9, "eval_tau_mtbench": 1.2} for s in (20, 40)]
+    lines = {line.get_label(): line for line in _plot_tau(records).axes[0].get_lines()}
+    assert {"eval", "eval, gsm8k", "eval, mtbench"} <= set(lines)
+    assert list(lines["eval, gsm8k"].get_ydata()) == [1.9, 1.9]
+
+
 def test_several_runs_are_overlaid_in_one_plot_each(tmp_path, capsys):
     baseline, ablation = tmp_path / "runs" / "bf16", tmp_path / "runs" / "fp8"
     for run, scale in ((baseline, 1.0), (ablation, 1.1)):

@@ -25,6 +25,7 @@ from dflash_trainer.eval.runner import (
     encode_prompt,
     evaluate,
     quick_tau,
+    set_metric_key,
     verify_lossless,
 )
 from dflash_trainer.model.attention import build_masks
@@ -551,7 +552,9 @@ def test_near_tie_divergence_is_reported_only_in_reduced_precision(chat_target):
 def test_quick_tau_matches_the_decoding_loop(chat_target, prompt_file):
     drafter = chat_drafter(chat_target, block_size=3)
     prompts = load_prompt_set(str(prompt_file))
-    tau = quick_tau(chat_target, drafter, prompts=prompts, max_new_tokens=10)
+    quick = quick_tau(chat_target, drafter, prompts=prompts, max_new_tokens=10)
+    assert quick.per_set == {}
+    tau = quick.pooled
     results = [
         speculative_generate(
             chat_target.model,
@@ -564,9 +567,40 @@ def test_quick_tau_matches_the_decoding_loop(chat_target, prompt_file):
     ]
     lengths = [length for r in results for length in r.accepted_lengths]
     assert tau == pytest.approx(sum(lengths) / len(lengths))
-    assert quick_tau(chat_target, drafter, datasets=[str(prompt_file)], num_prompts=3, max_new_tokens=10) == tau
+    by_name = quick_tau(chat_target, drafter, datasets=[str(prompt_file)], num_prompts=3, max_new_tokens=10)
+    assert by_name.pooled == tau and by_name.per_set == {prompt_file.stem: tau}
     # `NAME:SPLIT`, as `eval.datasets` may name a set (the periodic evaluation read `gsm8k:test` as a name).
-    assert quick_tau(chat_target, drafter, datasets=[f"{prompt_file}:test"], num_prompts=3, max_new_tokens=10) == tau
+    with_split = quick_tau(chat_target, drafter, datasets=[f"{prompt_file}:test"], num_prompts=3, max_new_tokens=10)
+    assert with_split.pooled == tau
+
+
+def test_quick_tau_per_set_is_each_sets_own_steps_pooled(chat_target, prompt_file, tmp_path, monkeypatch):
+    """Two sets decoded in one batch (the first `num_prompts` of each): each set's tau pools its own prompts' steps,
+    `pooled` every step. The decoder's accepted lengths are set by hand, so every number differs."""
+    other = tmp_path / "other.jsonl"
+    other.write_text("".join(json.dumps({"id": f"o{i}", "prompt": f"w{i + 1} w2 w{i}"}) + "\n" for i in range(3)))
+    lengths = [[1, 2], [3], [4, 4], [2]]  # prompts p0, p1 of the first set, o0, o1 of the second
+    decoded = []
+
+    def fixed_run(self):
+        decoded.append(len(self.prompts))
+        results = [GenerationResult(output_ids=[0] * (1 + sum(steps)), accepted_lengths=steps) for steps in lengths]
+        return BatchRun(results=results, prefill_s=0.0, decode_s=1.0, rows=len(results))
+
+    monkeypatch.setattr(SpeculativeDecoder, "run", fixed_run)
+    drafter = chat_drafter(chat_target, block_size=3)
+    tau = quick_tau(chat_target, drafter, datasets=[str(prompt_file), f"{other}:test"], num_prompts=2, max_new_tokens=8)
+    assert decoded == [4]
+    assert tau.per_set == {"prompts": pytest.approx(6 / 3), "other": pytest.approx(10 / 3)}
+    assert tau.pooled == pytest.approx(16 / 6)
+
+
+def test_set_metric_keys():
+    assert set_metric_key("gsm8k") == set_metric_key("gsm8k:test") == "gsm8k"
+    assert set_metric_key("gsm8k:train") == "gsm8k_train"
+    assert set_metric_key("/data/My Prompts.jsonl") == "my_prompts"
+    assert set_metric_key("mix-general:train") == "mix_general_train"
+    assert set_metric_key("gsm8k", taken=["gsm8k", "gsm8k_2"]) == "gsm8k_3"
 
 
 def test_quick_tau_runs_compiled_training_layers_eagerly(chat_target, prompt_file):
@@ -574,12 +608,12 @@ def test_quick_tau_runs_compiled_training_layers_eagerly(chat_target, prompt_fil
     again (on an H200 that was 8 recompiles, dynamo's limit, and a minute per evaluation)."""
     drafter = chat_drafter(chat_target, block_size=3)
     prompts = load_prompt_set(str(prompt_file))
-    eager_tau = quick_tau(chat_target, drafter, prompts=prompts, max_new_tokens=10)
+    eager_tau = quick_tau(chat_target, drafter, prompts=prompts, max_new_tokens=10).pooled
     for layer in drafter.layers:
         layer.compile(backend="eager", dynamic=True)
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
-    assert quick_tau(chat_target, drafter, prompts=prompts, max_new_tokens=10) == eager_tau
+    assert quick_tau(chat_target, drafter, prompts=prompts, max_new_tokens=10).pooled == eager_tau
     assert torch._dynamo.utils.counters["frames"]["total"] == 0
     # The stance is restored: the compiled layers trace again outside the evaluation.
     x = torch.zeros(1, 3, drafter.config.hidden_size)

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -49,7 +50,7 @@ from ..data.chat import generation_prompt_ids
 from ..data.prompts import Prompt, load_prompt_set, split_set_name
 from ..decoding.batch import synchronized_time
 from ..decoding.plain import target_generate_batch
-from ..decoding.runs import BatchRun
+from ..decoding.runs import BatchRun, GenerationResult
 from ..decoding.sampling import SamplingParams, derive_seed
 from ..decoding.speculative import SpeculativeDecoder
 from ..model.drafter import DFlashDrafter
@@ -460,6 +461,16 @@ def _decode_rate(runs: list[BatchRun]) -> float:
     return tokens / seconds if seconds > 0 else 0.0
 
 
+@dataclass(frozen=True)
+class QuickTau:
+    """Greedy tau of one quick evaluation: over every decoding step of every prompt, and per prompt set (each set's
+    own steps, pooled the same way; keys from `set_metric_key`, in the order the sets were named; empty when the
+    prompts were given directly)."""
+
+    pooled: float
+    per_set: dict[str, float]
+
+
 def quick_tau(
     target: LoadedTarget,
     drafter: DFlashDrafter,
@@ -468,15 +479,20 @@ def quick_tau(
     prompts: list[Prompt] | None = None,
     num_prompts: int = 8,
     max_new_tokens: int = 64,
-) -> float:
+) -> QuickTau:
     """Greedy tau pooled over a few prompts (given, or the first `num_prompts` of each dataset), decoded as one
     batch without a baseline run: for periodic evaluation during training. Eager (no CUDA graphs: the
     training drafter may be compiled). The drafter's train/eval mode is restored afterwards."""
+    sets: list[tuple[str, int]] = []  # (metric key, prompts) in decoding order
     if prompts is None:
         if not datasets:
             raise ValueError("quick_tau: pass prompts or datasets")
-        # `NAME:SPLIT` as `evaluate` and the pre-training check read it (`gsm8k` alone is its held-out test split).
-        prompts = [p for name in datasets for p in load_prompt_set(*split_set_name(name, "test"), limit=num_prompts)]
+        prompts = []
+        for name in datasets:
+            # `NAME:SPLIT` as `evaluate` and the pre-training check read it (`gsm8k` alone is its held-out test split).
+            loaded = load_prompt_set(*split_set_name(name, "test"), limit=num_prompts)
+            sets.append((set_metric_key(name, taken=[key for key, _ in sets]), len(loaded)))
+            prompts.extend(loaded)
     was_training = drafter.training
     drafter.eval()
     # The training drafter's layers may be compiled for training shapes; decoding calls them with a cache and
@@ -494,8 +510,29 @@ def quick_tau(
             ).run()
     finally:
         drafter.train(was_training)
-    lengths = [length for result in run.results for length in result.accepted_lengths]
+    per_set, start = {}, 0
+    for key, count in sets:  # results come back in prompt order
+        per_set[key] = _pooled_tau(run.results[start : start + count])
+        start += count
+    return QuickTau(pooled=_pooled_tau(run.results), per_set=per_set)
+
+
+def _pooled_tau(results: list[GenerationResult]) -> float:
+    lengths = [length for result in results for length in result.accepted_lengths]
     return sum(lengths) / len(lengths) if lengths else 0.0
+
+
+def set_metric_key(name: str, *, taken: list[str] = ()) -> str:
+    """A prompt set's name as a metric-name suffix: `gsm8k` and `gsm8k:test` -> `gsm8k`, `gsm8k:train` ->
+    `gsm8k_train`, a file -> its stem, other characters -> `_`; `_2`, `_3`... when `taken` has it already."""
+    base, split = split_set_name(name, "test")
+    stem = Path(base).stem if Path(base).suffix or "/" in base else base
+    key = re.sub(r"[^0-9a-z]+", "_", (stem if split == "test" else f"{stem}_{split}").lower()).strip("_") or "set"
+    candidate, number = key, 1
+    while candidate in taken:
+        number += 1
+        candidate = f"{key}_{number}"
+    return candidate
 
 
 # ----------------------------------------------------------------------------------------------------------

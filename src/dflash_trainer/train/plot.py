@@ -242,11 +242,22 @@ def _plot_tau(records: list[Record]) -> Figure | None:
         ylabel="tokens per target forward",
         title="Acceptance length: train E[tau], eval tau",
     )
+    if figure is None:
+        return None
+    axes = figure.axes[0]
     argmax_steps, argmax_values = _scalar_series(records, "eval_tau_argmax")
-    if figure is not None and len(argmax_steps):  # DFlash2 with eval.argmax_drafts: what the walk adds
-        axes = figure.axes[0]
+    if len(argmax_steps):  # DFlash2 with eval.argmax_drafts: what the walk adds
         axes.plot(argmax_steps, argmax_values, color="tab:orange", marker="s", label="eval, argmax drafts (no walk)")
-        axes.legend()
+    # The periodic evaluation's sets one by one (`eval_tau_<set>`), thin dotted lines under the pooled markers.
+    set_names = sorted({name for record in records for name in record if name.startswith("eval_tau_")})
+    for name in set_names:
+        if name == "eval_tau_argmax":
+            continue
+        steps, values = _scalar_series(records, name)
+        axes.plot(
+            steps, values, linestyle=":", marker=".", linewidth=1, label=f"eval, {name.removeprefix('eval_tau_')}"
+        )
+    axes.legend()
     return figure
 
 

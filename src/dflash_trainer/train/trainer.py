@@ -864,14 +864,17 @@ class Trainer:
             max_new_tokens=eval_config.max_new_tokens,
         )
         with self.profiler.stage("eval"), self.sync.gathered_for_decoding():
-            values = {"eval_tau": decode()}
+            tau = decode()
+            # Per set too: a run cut short still says where each set stood at its last evaluation.
+            values = {"eval_tau": tau.pooled, **{f"eval_tau_{key}": value for key, value in tau.per_set.items()}}
             if eval_config.argmax_drafts and isinstance(self.drafter, DFlash2Drafter):
                 with self.drafter.argmax_drafts():
-                    values["eval_tau_argmax"] = decode()
+                    values["eval_tau_argmax"] = decode().pooled
         self.logger.log(self.step, values)
         if self.is_main:  # every rank evaluates (FSDP2's gathers are collective); one prints
+            sets = ", ".join(f"{key} {value:.3f}" for key, value in tau.per_set.items())
             argmax = f" (argmax drafts {values['eval_tau_argmax']:.3f})" if "eval_tau_argmax" in values else ""
-            self.progress.write(f"step {self.step}: eval tau {values['eval_tau']:.3f}{argmax}")
+            self.progress.write(f"step {self.step}: eval tau {tau.pooled:.3f} ({sets}){argmax}")
 
     # ------------------------------------------------------------------------------------------------ state
 
