@@ -103,7 +103,7 @@ def test_a_dflash2_run_with_argmax_drafts_evaluates_the_export_twice(tmp_path, m
     if codebooks == "embedding":
         metrics = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
         assert [sorted(k for k in r if k.startswith("eval_tau")) for r in metrics if "eval_tau" in r] == [
-            ["eval_tau", "eval_tau_argmax", "eval_tau_prompts"]
+            ["eval_tau", "eval_tau/prompts", "eval_tau_argmax"]
         ] * 2  # both periodic evaluations ran, walking (pooled and per set) and by argmax
         exported = load_file(str(tmp_path / "run" / "export" / "model.safetensors"))
         assert "candidate_selector.successor_codebook" in exported and not any("_map" in name for name in exported)

@@ -134,7 +134,7 @@ def test_the_tau_plot_shows_argmax_draft_evaluations_beside_the_walks():
 
 def test_the_tau_plot_draws_each_evaluated_set():
     records = [{"step": step, "tau": 1.0 + step / 100} for step in range(1, 50)]
-    records += [{"step": s, "eval_tau": 1.5, "eval_tau_gsm8k": 1.9, "eval_tau_mtbench": 1.2} for s in (20, 40)]
+    records += [{"step": s, "eval_tau": 1.5, "eval_tau/gsm8k": 1.9, "eval_tau/mtbench": 1.2} for s in (20, 40)]
     lines = {line.get_label(): line for line in _plot_tau(records).axes[0].get_lines()}
     assert {"eval", "eval, gsm8k", "eval, mtbench"} <= set(lines)
     assert list(lines["eval, gsm8k"].get_ydata()) == [1.9, 1.9]

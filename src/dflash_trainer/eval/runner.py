@@ -36,6 +36,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -522,7 +523,7 @@ def _pooled_tau(results: list[GenerationResult]) -> float:
     return sum(lengths) / len(lengths) if lengths else 0.0
 
 
-def set_metric_key(name: str, *, taken: list[str] = ()) -> str:
+def set_metric_key(name: str, *, taken: Sequence[str] = ()) -> str:
     """A prompt set's name as a metric-name suffix: `gsm8k` and `gsm8k:test` -> `gsm8k`, `gsm8k:train` ->
     `gsm8k_train`, a file -> its stem, other characters -> `_`; `_2`, `_3`... when `taken` has it already."""
     base, split = split_set_name(name, "test")

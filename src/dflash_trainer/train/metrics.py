@@ -26,6 +26,7 @@ converting device counters happens once per log step, the one place the hot loop
     inflight         batches in flight to a drafter (disaggregated placement)
     wait_<name>_s    seconds spent waiting on <name> per step (e.g. wait_features_s)
     eval_tau, eval_loss   from periodic speculative-decoding evaluation
+    eval_tau/<set>   the same per evaluated prompt set (`eval.datasets`: eval_tau/gsm8k, ...)
     eval_tau_argmax  the same evaluation drafting each slot's argmax (DFlash2 with `eval.argmax_drafts`)
     eta_s            seconds left (`Progress.eta_seconds`)
 

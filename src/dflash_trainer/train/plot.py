@@ -248,14 +248,11 @@ def _plot_tau(records: list[Record]) -> Figure | None:
     argmax_steps, argmax_values = _scalar_series(records, "eval_tau_argmax")
     if len(argmax_steps):  # DFlash2 with eval.argmax_drafts: what the walk adds
         axes.plot(argmax_steps, argmax_values, color="tab:orange", marker="s", label="eval, argmax drafts (no walk)")
-    # The periodic evaluation's sets one by one (`eval_tau_<set>`), thin dotted lines under the pooled markers.
-    set_names = sorted({name for record in records for name in record if name.startswith("eval_tau_")})
-    for name in set_names:
-        if name == "eval_tau_argmax":
-            continue
+    # The periodic evaluation's sets one by one (`eval_tau/<set>`), thin dotted lines under the pooled markers.
+    for name in sorted({name for record in records for name in record if name.startswith("eval_tau/")}):
         steps, values = _scalar_series(records, name)
         axes.plot(
-            steps, values, linestyle=":", marker=".", linewidth=1, label=f"eval, {name.removeprefix('eval_tau_')}"
+            steps, values, linestyle=":", marker=".", linewidth=1, label=f"eval, {name.removeprefix('eval_tau/')}"
         )
     axes.legend()
     return figure

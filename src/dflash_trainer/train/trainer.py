@@ -866,7 +866,7 @@ class Trainer:
         with self.profiler.stage("eval"), self.sync.gathered_for_decoding():
             tau = decode()
             # Per set too: a run cut short still says where each set stood at its last evaluation.
-            values = {"eval_tau": tau.pooled, **{f"eval_tau_{key}": value for key, value in tau.per_set.items()}}
+            values = {"eval_tau": tau.pooled, **{f"eval_tau/{key}": value for key, value in tau.per_set.items()}}
             if eval_config.argmax_drafts and isinstance(self.drafter, DFlash2Drafter):
                 with self.drafter.argmax_drafts():
                     values["eval_tau_argmax"] = decode().pooled
