@@ -873,8 +873,9 @@ class Trainer:
         self.logger.log(self.step, values)
         if self.is_main:  # every rank evaluates (FSDP2's gathers are collective); one prints
             sets = ", ".join(f"{key} {value:.3f}" for key, value in tau.per_set.items())
+            sets = f" ({sets})" if sets else ""
             argmax = f" (argmax drafts {values['eval_tau_argmax']:.3f})" if "eval_tau_argmax" in values else ""
-            self.progress.write(f"step {self.step}: eval tau {tau.pooled:.3f} ({sets}){argmax}")
+            self.progress.write(f"step {self.step}: eval tau {tau.pooled:.3f}{sets}{argmax}")
 
     # ------------------------------------------------------------------------------------------------ state
 
