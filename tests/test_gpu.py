@@ -189,6 +189,34 @@ def test_gpu_step_has_no_recompiles_after_the_first_shapes(tmp_path):
     assert all(new == 0 for _, new in later), list(zip(shapes, compiled_at, strict=True))
 
 
+def test_a_compiled_norm_crosses_inductors_fusion_size_line_without_a_recompile():
+    """Inductor fuses a norm's backward reductions (per row and over rows) only above a size, and with symbolic sizes
+    guards on the first call's side of that line unless told not to (compiling.py): the DFlash2 main job recompiled
+    its compiled RMSNorm at step ~2,780 for it. Fed a batch above the line (16,384 x 576 elements >= 5 Mi) and then
+    one below (4,096 x 576), the norm compiles twice with torch's default and once as `configure_compiler` sets it."""
+    import torch._inductor.config as inductor_config
+    from torch._dynamo.utils import counters
+
+    from dflash_trainer.compiling import configure_compiler
+    from dflash_trainer.model.drafter import RMSNorm
+
+    def frames_compiled() -> int:
+        torch._dynamo.reset()
+        counters.clear()
+        norm = RMSNorm(576, 1e-6).cuda()
+        norm.compile(dynamic=True)
+        for tokens in (16384, 4096):
+            x = torch.randn(2, tokens // 2, 576, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+            norm(x).float().square().sum().backward()
+        return int(counters["frames"]["ok"])
+
+    configure_compiler()
+    with inductor_config.patch({"triton.mix_order_reduction_non_strict_mode": False}):  # torch's default
+        assert frames_compiled() == 2  # the guard this test is about exists on this torch
+    assert frames_compiled() == 1
+    torch._dynamo.reset()
+
+
 def test_compiled_selector_term_on_gpu_matches_its_eager_self_in_bf16():
     """DFlash2's selector term compiled per chunk (the training path on CUDA, whole chunks padded) against the same
     function run eagerly on the same GPU: the same candidates, so the same metrics (counts) exactly, and the loss and
