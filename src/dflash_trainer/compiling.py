@@ -23,7 +23,7 @@ process with live threads, and one can deadlock in its first import (seen on an 
 the old executor's `weakref_cb`, a futex never released). The compiling process then waits for that worker's kernel
 forever: a recompile or a compile of a new piece minutes into a run (the main job's drafter layers at step ~770)
 hung the run, no output, GPU idle. Kept alive, the pool is forked once, at the first compile, before any such
-thread exists; the price is its idle worker processes for the life of the process. `configure_compiler` sets both
+thread exists; the price is its idle worker processes for the life of the process. `configure_compiler` sets these
 switches and asks dynamo to log why it recompiles a frame (`recompiles`: one line naming the failed guard, only when
 it happens; `TORCH_LOGS` overrides it), so a recompile mid-run says what changed.
 
