@@ -33,9 +33,15 @@ size (rows x columns >= 5 Mi elements, rows >= 4096, rows >= 2 x columns), and w
 putting a guard on the first batch's sizes. A later batch on the other side of the line compiles the frame again:
 the DFlash2 main job's drafter layers at step ~780 (`192*x.size()[0]*x.size()[1] >= 5242880`, a batch of fewer
 block tokens, 26 s), its DFlash layer frame at step ~2,780 (`576*...`), both logged on an H200 with torch 2.11.
-`triton.mix_order_reduction_non_strict_mode` skips those size checks, so the choice no longer depends on the sizes:
-batches above the line get the kernels they got before, the rare one below runs the fused kernel (a few
-microseconds, where the recompile cost seconds). A torch without the switch keeps its guards.
+The fusion is turned off (`triton.mix_order_reduction`): its check then returns before any size is looked at, so
+no guard. Not the "non-strict" switch that skips only the size checks: with it, small static graphs get the fused
+kernel too, and DFlash2's selector chunk (float64 sums of [512, 15] per-slot counts beside row reductions) came out
+wrong on an H100 with torch 2.11 (selector accuracy 25.3, recall below 0, different in every step) while its loss
+stayed right (most likely: the fused kernel keeps its partial sums in a float32 workspace, these sums are float64;
+its size checks would never have picked a graph that small). What the fusion saved is one extra read of a norm's
+input and output gradient in its backward: by the bytes (2-8 GB per step over the drafter's norms, at 3-5 TB/s)
+about 1-2 ms, under 1 % of the main job's and the paper setting's step.
+A torch without the switch keeps its fusion and guards.
 
 "Process-wide" holds for the thread that compiles: torch 2.13 keeps these configs per thread (a new thread starts
 from the defaults). Every compile of the project runs on the main thread (the batch prefetcher's worker does host
@@ -68,10 +74,10 @@ def keep_compile_workers() -> None:
 
 
 def no_fusion_size_guards() -> None:
-    """Inductor's mix-order reduction fusion decided without guards on the sizes (module docstring)."""
+    """Inductor's mix-order reduction fusion off, and with it its guards on the sizes (module docstring)."""
     triton_config = inductor_config.triton
-    if hasattr(triton_config, "mix_order_reduction_non_strict_mode"):
-        triton_config.mix_order_reduction_non_strict_mode = True
+    if hasattr(triton_config, "mix_order_reduction"):
+        triton_config.mix_order_reduction = False
 
 
 def configure_compiler() -> None:
