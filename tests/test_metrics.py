@@ -339,3 +339,15 @@ def test_wandb_offline_run_is_written_without_network(tmp_path, monkeypatch):
     while [token for token in tokens if token not in run_file.read_bytes()] and time.monotonic() < deadline:
         time.sleep(0.2)
     assert [token for token in tokens if token not in run_file.read_bytes()] == []
+
+
+def test_fractions_out_of_range_names_each_wrong_accuracy_and_recall():
+    from dflash_trainer.train.metrics import fractions_out_of_range
+
+    right = {"acc": 0.5, "acc_per_slot": [1.0, 0.0, 0.25], "selector_acc": 0.7, "selector_recall": 1.0, "tau": 3.2}
+    assert fractions_out_of_range(right) == {}
+    assert fractions_out_of_range({"tau": 3.2, "loss": 7.0}) == {}  # not fractions
+    wrong = {**right, "acc_per_slot": [0.5, -0.1, 1.0], "selector_acc": 25.3, "selector_recall": float("nan")}
+    found = fractions_out_of_range(wrong)
+    assert list(found) == ["acc_per_slot[2]", "selector_acc", "selector_recall"]
+    assert found["acc_per_slot[2]"] == -0.1 and found["selector_acc"] == 25.3

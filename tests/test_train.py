@@ -324,6 +324,32 @@ def test_compilations_after_the_first_log_step_are_logged_and_noted(tmp_path, sh
     assert len(notes) == 1 and "2 more frame(s) in the steps up to 3" in notes[0] and "35.5 s in all" in notes[0]
 
 
+def test_accuracies_outside_zero_to_one_are_warned_about_once(tmp_path, shards, monkeypatch):
+    """A fraction metric outside [0, 1] means its device counters are wrong (a miscompiled reduction: DFlash2's selector
+    accuracy read 25.3 on a GPU while its loss was right): the run still logs it as it reads, and warns once, naming
+    the metric and the step. (CPU run: the per-slot accuracies are corrupted from the second log step on.)"""
+    from dflash_trainer.model.loss import LossMetrics
+
+    right = LossMetrics.slot_accuracy
+    calls = iter(range(100))
+
+    def corrupted(self):
+        accuracy = right(self)
+        return accuracy if next(calls) == 0 else accuracy + 25.0
+
+    monkeypatch.setattr(LossMetrics, "slot_accuracy", corrupted)
+    target = save_tiny_target(tmp_path / "target")
+    recipe = write_recipe(
+        tmp_path / "r.yaml", tmp_path / "run", target, shards, train={"max_steps": 4}, metrics={"log_every": 1}
+    )
+    lines: list[str] = []
+    Trainer(load_config(recipe), log=lines.append).fit()
+    logged = [r["acc"] for r in read_metrics(tmp_path / "run") if "acc" in r]
+    assert len(logged) == 4 and 0 <= logged[0] <= 1 and all(acc > 25 for acc in logged[1:])
+    warnings = [line for line in lines if "outside [0, 1]" in line]
+    assert len(warnings) == 1 and "at step 2 (acc 25." in warnings[0] and "loss.compile=false" in warnings[0]
+
+
 def test_allocator_retries_are_logged_and_warned_about_once(tmp_path, shards, monkeypatch):
     """Near the memory limit the CUDA caching allocator retries allocations (a slow, synchronising path): the count
     goes to the metrics and the first retry prints one warning naming the remedies. (CPU run: the counter is

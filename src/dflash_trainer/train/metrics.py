@@ -14,6 +14,8 @@ converting device counters happens once per log step, the one place the hot loop
     loss             training loss of the log interval
     acc              mean accuracy over slots (computed from `acc_per_slot` when absent)
     acc_per_slot     list: conditional accuracy of block slots 1..B-1 (slot 0 carries no loss)
+    selector_loss, selector_acc, selector_recall, selector_tau, selector_tau_prefix, selector_weight
+                     DFlash2's selector term (model/dflash2/objective.py)
     tau              expected acceptance length E[tau] = 1 + sum_k prod_{j<=k} acc_j
     lr, grad_norm    optimiser state
     tokens_per_s     target tokens per second (all ranks), mfu (fraction of peak FLOP/s)
@@ -29,6 +31,8 @@ converting device counters happens once per log step, the one place the hot loop
     eval_tau/<set>   the same per evaluated prompt set (`eval.datasets`: eval_tau/gsm8k, ...)
     eval_tau_argmax  the same evaluation drafting each slot's argmax (DFlash2 with `eval.argmax_drafts`)
     eta_s            seconds left (`Progress.eta_seconds`)
+
+Accuracies and recall are fractions: the trainer warns once when one reads outside [0, 1] (`fractions_out_of_range`).
 
 List values are per-slot metrics: element i belongs to block slot i+1 and goes to TensorBoard as
 `<name>/slot_<i+1>`.
@@ -337,6 +341,32 @@ def format_console_line(step: int, total_steps: int, values: Mapping[str, Metric
     if "eta_s" in values:
         parts.append(f"eta {format_duration(_scalar(values['eta_s']))}")
     return " | ".join(parts)
+
+
+# Metrics that are a count over a count (accuracies, recall): in [0, 1] whenever their device counters are right.
+FRACTIONS = ("acc", "acc_per_slot", "selector_acc", "selector_recall")
+
+
+def fractions_out_of_range(values: Mapping[str, MetricValue]) -> dict[str, float]:
+    """The fractions among `values` (`FRACTIONS`, each slot of a per-slot list as `name[slot]`) outside [0, 1].
+
+    Never the case when the counters are right, whatever the training does, so a sign of a wrong reduction: DFlash2's
+    selector accuracy read 25.3 and its recall -2.3 on a GPU, from a compiler fusion of its per-slot count sums
+    (compiling.py), while the loss stayed right. A NaN counts as out of range."""
+    found = {}
+    for name in FRACTIONS:
+        value = values.get(name)
+        if value is None:
+            continue
+        named = (
+            [(f"{name}[{slot}]", v) for slot, v in enumerate(value, start=1)]
+            if isinstance(value, Sequence)
+            else [(name, value)]
+        )
+        for key, number in named:
+            if not -1e-9 <= float(number) <= 1.0 + 1e-9:  # False for NaN too; the margin is float rounding
+                found[key] = float(number)
+    return found
 
 
 _EVAL_FIELDS = (("eval_tau", "tau", 2), ("eval_tau_argmax", "tau_argmax", 2), ("eval_loss", "loss", 4))

@@ -36,7 +36,7 @@ import contextlib
 import dataclasses
 import json
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -85,11 +85,13 @@ from .data_setup import load_training_data, plan_to_host_batch
 from .metrics import (
     CompileWatch,
     MetricsLogger,
+    MetricValue,
     Progress,
     Throughput,
     allocator_retries,
     dflash_flops_per_token,
     format_console_line,
+    fractions_out_of_range,
     measured_peak_flops,
     mfu,
     peak_memory_gib,
@@ -234,6 +236,7 @@ class Trainer:
         self._alloc_retries_warned = False
         self._compile_watch = CompileWatch()
         self._compile_logged = False  # the first log step's compilations are the warm-up
+        self._fractions_warned = False
         self.stop_agreed = False
         self._pending_flags: StepFlags | None = None
         # The data position of the last trained step, when steps are prepared ahead (see StepWork).
@@ -808,6 +811,7 @@ class Trainer:
         values.update(self._placement_log_values(self.window_steps))
         if self.selector_objective is not None:
             values.update(self.selector_objective.log_values(self.group, self.group_size))
+        self._check_fractions(values)
         eta = self.progress.eta_seconds()
         if eta is not None:
             values["eta_s"] = eta
@@ -840,6 +844,19 @@ class Trainer:
             )
         self._compile_logged = True
         return values
+
+    def _check_fractions(self, values: Mapping[str, MetricValue]) -> None:
+        """Warn once per run when an accuracy or recall reads outside [0, 1]: its counters are wrong (a miscompiled
+        reduction, metrics.py), and the run's numbers need checking against an eager run before they are trusted."""
+        wrong = fractions_out_of_range(values)
+        if wrong and not self._fractions_warned:
+            self._fractions_warned = True
+            shown = ", ".join(f"{name} {value:.4g}" for name, value in list(wrong.items())[:4])
+            self.log(
+                f"warning: metrics that are fractions read outside [0, 1] at step {self.step} ({shown}): the device "
+                "counters behind them are wrong, most likely a miscompiled reduction; compare a short run with "
+                "drafter.compile=false loss.compile=false before trusting this run's metrics"
+            )
 
     def _epoch_progress(self) -> float:
         return self._trained.epoch_progress if self._trained is not None else epoch_progress(self.sampler)
