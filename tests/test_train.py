@@ -305,19 +305,30 @@ def test_bench_phase_keeps_every_timed_step_and_what_compiled_in_it(tmp_path, sh
     assert bench.describe_step(700.0, 0, None) == "700"
 
 
-def test_compilations_after_the_first_log_step_are_logged_and_noted(tmp_path, shards):
-    """Training logs compiles / compile_s at every log step; frames compiled after the first log step (the
-    warm-up) print a note naming the step, the count and the shape buckets. (CPU run: the counts are scripted; the
-    real watch is tested above.)"""
+def fit_four_logged_steps(tmp_path, shards, *, before_fit=None) -> list[str]:
+    """Trains a tiny run 4 steps, logging every step; returns the trainer's log lines (`before_fit(trainer)` first)."""
     target = save_tiny_target(tmp_path / "target")
     recipe = write_recipe(
         tmp_path / "r.yaml", tmp_path / "run", target, shards, train={"max_steps": 4}, metrics={"log_every": 1}
     )
     lines: list[str] = []
     trainer = Trainer(load_config(recipe), log=lines.append)
-    readings = iter([(3, 20.0, 3), (3, 20.0, 0), (5, 35.5, 2), (5, 35.5, 0)])
-    trainer._compile_watch = type("ScriptedWatch", (), {"take": lambda self: next(readings)})()
+    if before_fit is not None:
+        before_fit(trainer)
     trainer.fit()
+    return lines
+
+
+def test_compilations_after_the_first_log_step_are_logged_and_noted(tmp_path, shards):
+    """Training logs compiles / compile_s at every log step; frames compiled after the first log step (the
+    warm-up) print a note naming the step, the count and the shape buckets. (CPU run: the counts are scripted; the
+    real watch is tested above.)"""
+    readings = iter([(3, 20.0, 3), (3, 20.0, 0), (5, 35.5, 2), (5, 35.5, 0)])
+
+    def script_the_watch(trainer):
+        trainer._compile_watch = type("ScriptedWatch", (), {"take": lambda self: next(readings)})()
+
+    lines = fit_four_logged_steps(tmp_path, shards, before_fit=script_the_watch)
     logged = [(r["compiles"], r["compile_s"]) for r in read_metrics(tmp_path / "run") if "compiles" in r]
     assert logged == [(3, 20.0), (3, 20.0), (5, 35.5), (5, 35.5)]
     notes = [line for line in lines if "torch.compile compiled" in line]
@@ -338,12 +349,7 @@ def test_accuracies_outside_zero_to_one_are_warned_about_once(tmp_path, shards, 
         return accuracy if next(calls) == 0 else accuracy + 25.0
 
     monkeypatch.setattr(LossMetrics, "slot_accuracy", corrupted)
-    target = save_tiny_target(tmp_path / "target")
-    recipe = write_recipe(
-        tmp_path / "r.yaml", tmp_path / "run", target, shards, train={"max_steps": 4}, metrics={"log_every": 1}
-    )
-    lines: list[str] = []
-    Trainer(load_config(recipe), log=lines.append).fit()
+    lines = fit_four_logged_steps(tmp_path, shards)
     logged = [r["acc"] for r in read_metrics(tmp_path / "run") if "acc" in r]
     assert len(logged) == 4 and 0 <= logged[0] <= 1 and all(acc > 25 for acc in logged[1:])
     warnings = [line for line in lines if "outside [0, 1]" in line]
@@ -358,12 +364,7 @@ def test_allocator_retries_are_logged_and_warned_about_once(tmp_path, shards, mo
 
     readings = iter([0, 2, 5, 5, 5, 5, 5, 5])
     monkeypatch.setattr(trainer_module, "allocator_retries", lambda device: next(readings))
-    target = save_tiny_target(tmp_path / "target")
-    recipe = write_recipe(
-        tmp_path / "r.yaml", tmp_path / "run", target, shards, train={"max_steps": 4}, metrics={"log_every": 1}
-    )
-    lines: list[str] = []
-    Trainer(load_config(recipe), log=lines.append).fit()
+    lines = fit_four_logged_steps(tmp_path, shards)
     logged = [r["alloc_retries"] for r in read_metrics(tmp_path / "run") if "alloc_retries" in r]
     assert logged == [0, 2, 5, 5]
     warnings = [line for line in lines if "allocator retried" in line]
