@@ -27,7 +27,7 @@ thread exists; the price is its idle worker processes for the life of the proces
 switches and asks dynamo to log why it recompiles a frame (`recompiles`: one line naming the failed guard, only when
 it happens; `TORCH_LOGS` overrides it), so a recompile mid-run says what changed.
 
-Why `no_fusion_size_guards`: Inductor fuses two sibling reductions that run along different axes of one tensor (an
+Why `no_mix_order_fusion`: Inductor fuses two sibling reductions that run along different axes of one tensor (an
 RMSNorm's backward: the input grad per row, the weight grad over rows) into one "mix-order" kernel only above a
 size (rows x columns >= 5 Mi elements, rows >= 4096, rows >= 2 x columns), and with symbolic sizes it decides by
 putting a guard on the first batch's sizes. A later batch on the other side of the line compiles the frame again:
@@ -73,7 +73,7 @@ def keep_compile_workers() -> None:
         inductor_config.quiesce_async_compile_pool = False
 
 
-def no_fusion_size_guards() -> None:
+def no_mix_order_fusion() -> None:
     """Inductor's mix-order reduction fusion off, and with it its guards on the sizes (module docstring)."""
     triton_config = inductor_config.triton
     if hasattr(triton_config, "mix_order_reduction"):
@@ -82,11 +82,11 @@ def no_fusion_size_guards() -> None:
 
 def configure_compiler() -> None:
     """The process-wide settings every compile of this project wants, called before compiling: sizes kept apart,
-    compile workers kept alive, no size guards from fusion choices, recompiles logged with their reason.
+    compile workers kept alive, no mix-order fusion (nor its size guards), recompiles logged with their reason.
     Idempotent."""
     keep_sizes_apart()
     keep_compile_workers()
-    no_fusion_size_guards()
+    no_mix_order_fusion()
     _log_recompiles()
 
 
