@@ -12,8 +12,9 @@ drafter of `recipes/bench-qwen3-8b.yaml` (22,016 block queries, 8,192 context to
 events (median of `--repeats` after warm-up), on random inputs under bf16 autocast with a float32 master weight as
 the drafter trains:
 - `bf16`: `F.linear` forward + backward (autocast casts the weight to bf16 each call, as in training);
-- `fp8 tensorwise`, `fp8 rowwise`: `fp8_linear` forward + backward, the custom ops as the compiled drafter runs them
-  (their quantisers compiled on their own);
+- `fp8 tensorwise`, `fp8 tensorwise_fast`, `fp8 rowwise`: `fp8_linear` forward + backward, the custom ops as the
+  compiled drafter runs them (their quantisers compiled on their own; `tensorwise_fast`: the backward GEMMs
+  accumulating fast);
 - the tensorwise path's pieces: the three GEMMs alone (`torch._scaled_mm` on ready FP8 operands: the forward with
   fast accumulation, the backward ones without, as `fp8.py` runs them, and with), quantising dy in both layouts
   (`op_quantize_both_layouts`: PyTorch's amax, then the compiled casts) and its amax alone, and what it replaced
@@ -81,8 +82,12 @@ def training_pass(linear: Linear, kind: str, device: torch.device):
 
     def run() -> None:
         with torch.autocast("cuda", dtype=torch.bfloat16):
-            rowwise = kind == "fp8 rowwise"
-            out = F.linear(x, weight) if kind == "bf16" else fp8.fp8_linear(x, weight, rowwise=rowwise)
+            rowwise, fast_backward = kind == "fp8 rowwise", kind == "fp8 tensorwise_fast"
+            out = (
+                F.linear(x, weight)
+                if kind == "bf16"
+                else fp8.fp8_linear(x, weight, rowwise=rowwise, fast_backward=fast_backward)
+            )
         out.backward(grad)
         x.grad = weight.grad = None
 
@@ -147,7 +152,7 @@ def main(argv: list[str]) -> int:
     device = torch.device("cuda")
     shape, queries, context, layers = SETTINGS[args.setting]
     linears = layer_linears(shape, queries, context)
-    kinds = ("bf16", "fp8 tensorwise", "fp8 rowwise")
+    kinds = ("bf16", "fp8 tensorwise", "fp8 tensorwise_fast", "fp8 rowwise")
     rows = []
     for linear in linears:
         times = {kind: median_ms(training_pass(linear, kind, device), args.warmup, args.repeats) for kind in kinds}

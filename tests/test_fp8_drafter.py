@@ -189,14 +189,15 @@ def test_the_fp8_ops_pass_torch_opcheck():
     x = torch.randn(48, 64, generator=gen).requires_grad_()
     weight = (0.05 * torch.randn(32, 64, generator=gen)).requires_grad_()
     grad_out = torch.randn(48, 32, generator=gen).bfloat16()
-    for rowwise in (False, True):
-        forward = (x, weight, rowwise, torch.bfloat16)
+    for rowwise, fast_backward in ((False, False), (False, True), (True, False)):
+        forward = (x, weight, rowwise, torch.bfloat16, fast_backward)
         opcheck(torch.ops.dflash_fp8.linear.default, forward, test_utils=("test_schema", *OPCHECK_TRACING))
     _, x_q, x_scale, w_q, w_scale = torch.ops.dflash_fp8.linear(x.detach(), weight.detach(), False, torch.bfloat16)
     fp8_inputs = [t.view(torch.uint8).clone() for t in (x_q, w_q)]
-    tensorwise = (grad_out, x_q, x_scale, w_q, w_scale, torch.float32, torch.float32)
     tracing_and_replay = (*OPCHECK_TRACING, "test_aot_dispatch_dynamic")
-    opcheck(torch.ops.dflash_fp8.tensorwise_linear_backward.default, tensorwise, test_utils=tracing_and_replay)
+    for fast_accum in (False, True):
+        tensorwise = (grad_out, x_q, x_scale, w_q, w_scale, torch.float32, torch.float32, fast_accum)
+        opcheck(torch.ops.dflash_fp8.tensorwise_linear_backward.default, tensorwise, test_utils=tracing_and_replay)
     assert all(torch.equal(t.view(torch.uint8), before) for t, before in zip((x_q, w_q), fp8_inputs, strict=True))
     rowwise = (grad_out, x.detach(), weight.detach())
     opcheck(torch.ops.dflash_fp8.rowwise_linear_backward.default, rowwise)  # every check, AOT autograd replay included
@@ -256,6 +257,40 @@ def test_compiled_graphs_call_the_fp8_ops_and_compute_what_eager_does(scaling):
             torch.testing.assert_close(grad, expected, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_tensorwise_fast_accumulates_its_backward_fast_and_is_tensorwise_otherwise(compiled, monkeypatch):
+    """`tensorwise_fast` changes one thing against `tensorwise`: its two backward GEMMs ask the scaled matmul for
+    fast accumulation (the forward always does), eagerly and through AOT autograd's graphs. The CPU's reference
+    kernel accumulates in float32 either way, so the gradients here are bitwise tensorwise's."""
+    calls: list[bool] = []
+    original = fp8.scaled_matmul
+
+    def recording(*args, fast_accum=False, **kwargs):
+        calls.append(fast_accum)
+        return original(*args, fast_accum=fast_accum, **kwargs)
+
+    monkeypatch.setattr(fp8, "scaled_matmul", recording)
+    gen = torch.Generator().manual_seed(7)
+    x = torch.randn(40, 64, generator=gen)
+    linear = nn.Linear(64, 32, bias=False)
+    grads, accumulation = {}, {}
+    for scaling in ("tensorwise", "tensorwise_fast"):
+        layer = Fp8TrainingLinear(linear, scaling=scaling)
+        assert repr(layer).endswith(f"fp8 {scaling})")
+        step = torch.compile(layer, dynamic=True, backend="aot_eager") if compiled else layer
+        torch._dynamo.reset()
+        leaf = x.clone().requires_grad_()
+        linear.weight.grad = None
+        calls.clear()
+        step(leaf).square().mean().backward()
+        accumulation[scaling] = list(calls)
+        grads[scaling] = (leaf.grad, linear.weight.grad.clone())
+    torch._dynamo.reset()
+    assert accumulation == {"tensorwise": [True, False, False], "tensorwise_fast": [True, True, True]}
+    for fast, exact in zip(grads["tensorwise_fast"], grads["tensorwise"], strict=True):
+        assert torch.equal(fast, exact)
+
+
 @pytest.mark.slow  # Inductor's C++ compile: ~20 s on 2 shared cores for both scalings (~40 s with the quantiser)
 @pytest.mark.parametrize("scaling", ["tensorwise", "rowwise"])
 @pytest.mark.parametrize("quantiser", ["eager", "compiled"])
@@ -287,7 +322,7 @@ def test_the_compiled_quantisers_stay_within_dynamos_recompile_limit(monkeypatch
         for scaling in ("tensorwise", "rowwise"):
             _stacked_grads(_stacked_linears, scaling)  # eager callers
             _stacked_grads(compiled, scaling)
-            layer = Fp8TrainingLinear(nn.Linear(64, 32), rowwise=scaling == "rowwise")  # a Parameter weight
+            layer = Fp8TrainingLinear(nn.Linear(64, 32), scaling=scaling)  # a Parameter weight
             with torch.autocast("cpu", dtype=torch.bfloat16):
                 layer(torch.randn(48, 64, requires_grad=True)).float().sum().backward()
             assert layer.weight.grad.abs().sum() > 0
@@ -348,6 +383,12 @@ def test_the_swap_converts_every_projection_and_keeps_names_and_parameters():
     linears = [m for m in drafter.modules() if isinstance(m, nn.Linear)]
     assert len(linears) == 15 and all(isinstance(m, Fp8TrainingLinear) and m.rowwise for m in linears)
     assert "fp8 rowwise" in repr(drafter.fc)
+    fast = DFlashDrafter(tiny_drafter_config(num_hidden_layers=2))
+    assert fast.use_fp8_training("tensorwise_fast") == (15, 0)
+    linears = [m for m in fast.modules() if isinstance(m, Fp8TrainingLinear)]
+    assert len(linears) == 15 and all(m.fast_backward and not m.rowwise for m in linears)
+    with pytest.raises(ValueError, match="tensorwise_fast"):
+        DFlashDrafter(tiny_drafter_config(num_hidden_layers=1)).use_fp8_training("columnwise")
 
 
 def test_the_context_keys_and_values_stay_out_of_fp8(monkeypatch):
@@ -358,9 +399,9 @@ def test_the_context_keys_and_values_stay_out_of_fp8(monkeypatch):
     rows_seen = []
     original = drafter_module.fp8_linear
 
-    def recording(x, weight, bias=None, *, rowwise):
+    def recording(x, weight, bias=None, *, rowwise, fast_backward):
         rows_seen.append((x.shape[:-1].numel(), weight.shape[0]))
-        return original(x, weight, bias, rowwise=rowwise)
+        return original(x, weight, bias, rowwise=rowwise, fast_backward=fast_backward)
 
     monkeypatch.setattr(drafter_module, "fp8_linear", recording)
     drafter = DFlashDrafter(tiny_drafter_config(num_hidden_layers=1))
@@ -438,6 +479,7 @@ def test_the_layers_compile_as_one_region_shared_by_every_layer(fp8):
 def test_config_keys_and_where_fp8_runs(monkeypatch):
     config = load_config(None, ["drafter.fp8=true", "drafter.fp8_scaling=rowwise"])
     assert config.drafter.fp8 and config.drafter.fp8_scaling == "rowwise"
+    assert load_config(None, ["drafter.fp8_scaling=tensorwise_fast"]).drafter.fp8_scaling == "tensorwise_fast"
     assert not load_config(None, []).drafter.fp8  # off by default
     with pytest.raises(ConfigError, match=r"drafter\.fp8_scaling"):
         load_config(None, ["drafter.fp8_scaling=columnwise"])
@@ -473,7 +515,7 @@ def test_training_with_the_fp8_drafter_on_the_cpu_lowers_the_loss(tmp_path):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-@pytest.mark.parametrize("scaling", ["tensorwise", "rowwise"])
+@pytest.mark.parametrize("scaling", ["tensorwise", "tensorwise_fast", "rowwise"])
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
 def test_gpu_fp8_drafter_gradients_match_bf16(scaling, compiled):
     """The FP8 drafter on CUDA (cuBLAS / CUTLASS scaled matmuls, flex attention, bf16 autocast over float32 master
@@ -524,6 +566,33 @@ def test_gpu_fp8_drafter_gradients_match_bf16(scaling, compiled):
     # less for bf16. A wrong layout or scale is off by ~100 %.
     assert max(errors["fp8"].values()) < 0.25 and median["fp8"] < 0.12, errors
     assert median["bf16"] < 0.03 and median["fp8"] > median["bf16"], median  # FP8 did run
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("tokens", [4096, 65536])
+def test_gpu_fast_accumulation_of_the_backward_drifts_little_from_float32(tokens):
+    """`tensorwise_fast` against `tensorwise` on the same FP8 operands (the GEMMs differ in accumulation only),
+    the weight grad contracting over `tokens` (65,536: the SmolLM2 main job's slot count per step) and both against
+    float64: the fast accumulator's drift must stay well under the operands' own FP8 error (~5.7 %)."""
+    if torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("needs FP8 tensor cores")
+    gen = torch.Generator(device="cuda").manual_seed(8)
+    x = torch.randn(tokens, 512, device="cuda", generator=gen)
+    weight = 0.05 * torch.randn(1024, 512, device="cuda", generator=gen)
+    grad_out = torch.randn(tokens, 1024, device="cuda", generator=gen) / tokens**0.5
+    grads = {}
+    for fast in (False, True):
+        leaf, w = x.clone().requires_grad_(), weight.clone().requires_grad_()
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            out = fp8_linear(leaf, w, fast_backward=fast)
+        out.backward(grad_out.bfloat16())
+        grads[fast] = (leaf.grad.double(), w.grad.double())
+    exact = (grad_out.double() @ weight.double(), grad_out.double().T @ x.double())
+    for index in range(2):
+        drift = _relative_error(grads[True][index], grads[False][index])
+        error = _relative_error(grads[False][index], exact[index])
+        assert drift < 0.02 and error < 0.08, (index, drift, error)
 
 
 @pytest.mark.gpu

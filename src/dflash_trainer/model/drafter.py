@@ -51,7 +51,7 @@ def fused_linear(x: Tensor, layers: Sequence[nn.Linear], *, fp8: bool = True) ->
     weight = torch.cat([layer.weight for layer in layers])  # [sum(out), in]
     bias = None if layers[0].bias is None else torch.cat([layer.bias for layer in layers])
     if fp8 and all(isinstance(layer, Fp8TrainingLinear) and layer.training for layer in layers):
-        out = fp8_linear(x, weight, bias, rowwise=layers[0].rowwise)
+        out = fp8_linear(x, weight, bias, rowwise=layers[0].rowwise, fast_backward=layers[0].fast_backward)
     else:
         out = F.linear(x, weight, bias)
     return list(out.split([layer.out_features for layer in layers], dim=-1))

@@ -11,7 +11,7 @@ of the GEMM) but never along the contracted dimension. Quantising a tensor: `s =
 saturates. The master weights stay float32 and the optimizer is untouched: the weight is quantised from its
 float32 value at every step, and its gradient comes back in float32 like the bf16 path's.
 
-Two scalings (`drafter.fp8_scaling`):
+Three scalings (`drafter.fp8_scaling`):
 - `tensorwise` (default): one scale per tensor. x and W are quantised once in the forward, each cast in two
   layouts: the forward GEMM's, and the transposed one the backward GEMM that reads it contracts over, which is kept
   for the backward (the bytes of one FP8 copy, half of bf16); dy is quantised once for both backward GEMMs, in both
@@ -25,9 +25,14 @@ Two scalings (`drafter.fp8_scaling`):
   input grad, per feature (over tokens) for the weight grad. Every operand, gradients included, in **e4m3**: with
   a scale per row the range is no problem, and e4m3's extra mantissa bit halves the rounding error. The backward
   quantises x and dy again along the other axis, so x is kept in bf16. More accurate, more passes.
+- `tensorwise_fast`: `tensorwise` with its two backward GEMMs accumulating fast too (below); the same operands.
 Accumulation (as torchao's recipes): the forward GEMM accumulates fast (Hopper's FP8 accumulator without periodic
 promotion to float32); the tensorwise backward GEMMs accumulate in float32, since the weight grad sums over every
 token of the batch; rowwise accumulates fast in all three, the only fast setting of its CUTLASS kernel.
+`tensorwise_fast` trades the float32 promotion of the backward for speed: the accumulator keeps fewer mantissa
+bits than float32, so a long sum (the weight grad's, over every token) drifts further from the exact one, on top
+of the operands' own rounding. On the CPU the reference kernel always accumulates in float32 (the flag reaches it
+and changes nothing there); the GPU tests bound the drift.
 
 Error: e4m3 rounds to 3 mantissa bits (2^-4 relative at most, ~2.6 % RMS over a binade), e5m2 to 2 bits (2^-3,
 ~5.1 % RMS). A GEMM of two e4m3 operands is ~3.6 % (RMS, relative) off the exact product of its inputs, one with an
@@ -79,7 +84,8 @@ E4M3_MAX = torch.finfo(E4M3).max  # 448
 # torch._scaled_mm's alignment on the GPU: both sizes of the second operand and the contracted size.
 ALIGNMENT = 16
 
-Fp8Scaling = Literal["tensorwise", "rowwise"]
+Fp8Scaling = Literal["tensorwise", "tensorwise_fast", "rowwise"]
+FP8_SCALINGS: tuple[Fp8Scaling, ...] = ("tensorwise", "tensorwise_fast", "rowwise")
 
 
 def quantize(values: Tensor, dtype: torch.dtype = E4M3, *, rowwise: bool = True) -> tuple[Tensor, Tensor]:
@@ -217,12 +223,13 @@ def _scale_shape(count: int, rowwise: bool) -> tuple[int, ...]:
 
 @torch.library.custom_op("dflash_fp8::linear", mutates_args=())
 def _matmul(
-    rows: Tensor, weight: Tensor, rowwise: bool, out_dtype: torch.dtype
+    rows: Tensor, weight: Tensor, rowwise: bool, out_dtype: torch.dtype, fast_backward: bool = False
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """`rows [M, K] @ weight [N, K]ᵀ` in FP8 -> (out `[M, N]` in `out_dtype`; then what the backward reuses:
     tensorwise, the e4m3 operands in the layouts the backward GEMMs contract them in, xᵀ_q `[K, M']` (M' = M rounded
     up to ALIGNMENT), x_scale `[]`, Wᵀ_q `[K, N]`, w_scale `[]`; rowwise, x_q `[M, K]`, `[M, 1]`, w_q `[N, K]`,
-    `[N, 1]`, which its backward does not use: it quantises x and W again along the other axis)."""
+    `[N, 1]`, which its backward does not use: it quantises x and W again along the other axis). `fast_backward`
+    is read by the tensorwise backward only (its default keeps the op's calls from before it existed valid)."""
     with torch.autocast(rows.device.type, enabled=False):  # the dtypes here are chosen explicitly
         if rowwise:
             x_q, x_scale = op_quantize_per_row(rows)  # [M, K], [M, 1]
@@ -237,7 +244,7 @@ def _matmul(
 
 
 @_matmul.register_fake
-def _matmul_fake(rows: Tensor, weight: Tensor, rowwise: bool, out_dtype: torch.dtype):
+def _matmul_fake(rows: Tensor, weight: Tensor, rowwise: bool, out_dtype: torch.dtype, fast_backward: bool = False):
     (tokens, features), outputs = rows.shape, weight.shape[0]
     if rowwise:
         x_shape, w_shape = (tokens, features), (outputs, features)
@@ -261,18 +268,20 @@ def _tensorwise_backward(
     w_scale: Tensor,
     rows_dtype: torch.dtype,
     weight_dtype: torch.dtype,
+    fast_accum: bool = False,
 ) -> tuple[Tensor, Tensor]:
     """dy `[M, N]` and the forward's e4m3 xᵀ_q `[K, M']`, Wᵀ_q `[K, N]` with their scales -> (dx `[M, K]` in
-    `rows_dtype`, dW `[N, K]` in `weight_dtype`), each written in its dtype by its GEMM (one scale each: no cast)."""
+    `rows_dtype`, dW `[N, K]` in `weight_dtype`), each written in its dtype by its GEMM (one scale each: no cast);
+    both accumulate in float32, or fast with `fast_accum` (`tensorwise_fast`)."""
     with torch.autocast(grad_out.device.type, enabled=False):
         g_q, g_scale, gt_q = op_quantize_both_layouts(grad_out, E5M2)  # [M, N], [], [N, M']
-        grad_rows = scaled_matmul(g_q, g_scale, wt_q, w_scale, rows_dtype)  # [M, K], contracts N
-        grad_weight = scaled_matmul(gt_q, g_scale, xt_q, x_scale, weight_dtype)  # [N, K], contracts M'
+        grad_rows = scaled_matmul(g_q, g_scale, wt_q, w_scale, rows_dtype, fast_accum=fast_accum)  # [M, K], contracts N
+        grad_weight = scaled_matmul(gt_q, g_scale, xt_q, x_scale, weight_dtype, fast_accum=fast_accum)  # [N, K]
     return grad_rows, grad_weight
 
 
 @_tensorwise_backward.register_fake
-def _tensorwise_backward_fake(grad_out, xt_q, x_scale, wt_q, w_scale, rows_dtype, weight_dtype):
+def _tensorwise_backward_fake(grad_out, xt_q, x_scale, wt_q, w_scale, rows_dtype, weight_dtype, fast_accum=False):
     (tokens, outputs), features = grad_out.shape, xt_q.shape[0]
     return grad_out.new_empty((tokens, features), dtype=rows_dtype), grad_out.new_empty(
         (outputs, features), dtype=weight_dtype
@@ -300,7 +309,7 @@ def _rowwise_backward_fake(grad_out, rows, weight):
 
 
 def _matmul_setup_context(ctx, inputs, output) -> None:
-    rows, weight, rowwise, _ = inputs
+    rows, weight, rowwise, _, fast_backward = inputs
     _, x_q, x_scale, w_q, w_scale = output
     ctx.mark_non_differentiable(x_q, x_scale, w_q, w_scale)
     ctx.set_materialize_grads(False)  # no zero gradients for the four outputs above
@@ -309,16 +318,19 @@ def _matmul_setup_context(ctx, inputs, output) -> None:
     else:  # the FP8 copies, already in the backward's layouts, serve it as they are
         ctx.save_for_backward(x_q, x_scale, w_q, w_scale)
     ctx.rowwise, ctx.rows_dtype, ctx.weight_dtype = rowwise, rows.dtype, weight.dtype
+    ctx.fast_backward = fast_backward
 
 
-def _matmul_backward(ctx, grad_out: Tensor, *_unused: Tensor | None) -> tuple[Tensor, Tensor, None, None]:
+def _matmul_backward(ctx, grad_out: Tensor, *_unused: Tensor | None) -> tuple[Tensor, Tensor, None, None, None]:
     # Both gradients always (autograd drops one nothing needs): one op computes them, whatever
     # `ctx.needs_input_grad` says. The cost where nothing needs one: the context projection's input gradient.
     if ctx.rowwise:
         grad_rows, grad_weight = _rowwise_backward(grad_out, *ctx.saved_tensors)
     else:
-        grad_rows, grad_weight = _tensorwise_backward(grad_out, *ctx.saved_tensors, ctx.rows_dtype, ctx.weight_dtype)
-    return grad_rows, grad_weight, None, None
+        grad_rows, grad_weight = _tensorwise_backward(
+            grad_out, *ctx.saved_tensors, ctx.rows_dtype, ctx.weight_dtype, ctx.fast_backward
+        )
+    return grad_rows, grad_weight, None, None, None
 
 
 _matmul.register_autograd(_matmul_backward, setup_context=_matmul_setup_context)
@@ -338,13 +350,16 @@ def _scaled_mm_fake(a: Tensor, a_scale: Tensor, b: Tensor, b_scale: Tensor, fast
     return a.new_empty((a.shape[0], b.shape[0]), dtype=torch.bfloat16)
 
 
-def fp8_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, *, rowwise: bool = False) -> Tensor:
+def fp8_linear(
+    x: Tensor, weight: Tensor, bias: Tensor | None = None, *, rowwise: bool = False, fast_backward: bool = False
+) -> Tensor:
     """`F.linear(x, weight, bias)` for training with its three GEMMs in FP8. x `[..., K]`, weight `[N, K]` (the
-    float32 master weight, or any float dtype) -> `[..., N]` in autocast's dtype under autocast, else x's."""
+    float32 master weight, or any float dtype) -> `[..., N]` in autocast's dtype under autocast, else x's.
+    `fast_backward`: tensorwise's backward GEMMs accumulate fast (`tensorwise_fast`; rowwise's always do)."""
     device = x.device.type
     out_dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
     rows = x.reshape(-1, x.shape[-1])  # [M, K]
-    out = _matmul(rows, weight, rowwise, out_dtype)[0]  # [M, N]
+    out = _matmul(rows, weight, rowwise, out_dtype, fast_backward)[0]  # [M, N]
     if bias is not None:
         out = out + bias.to(out_dtype)
     return out.view(*x.shape[:-1], weight.shape[0])
@@ -354,20 +369,22 @@ class Fp8TrainingLinear(nn.Linear):
     """An `nn.Linear` whose matmul runs in FP8 while training (`fp8_linear`) and exactly in eval mode. It adopts the
     replaced layer's parameters, so names, state dict, optimizer and export are those of the `nn.Linear`."""
 
-    def __init__(self, linear: nn.Linear, *, rowwise: bool) -> None:
+    def __init__(self, linear: nn.Linear, *, scaling: Fp8Scaling = "tensorwise") -> None:
         nn.Module.__init__(self)  # not nn.Linear's: it would allocate weights of its own
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.weight = linear.weight
         self.register_parameter("bias", linear.bias)
-        self.rowwise = rowwise
+        self.scaling = check_scaling(scaling)
+        self.rowwise = scaling == "rowwise"
+        self.fast_backward = scaling == "tensorwise_fast"
 
     def forward(self, x: Tensor) -> Tensor:
         if not self.training:
             return F.linear(x, self.weight, self.bias)
-        return fp8_linear(x, self.weight, self.bias, rowwise=self.rowwise)
+        return fp8_linear(x, self.weight, self.bias, rowwise=self.rowwise, fast_backward=self.fast_backward)
 
     def extra_repr(self) -> str:
-        return f"{super().extra_repr()}, fp8 {'rowwise' if self.rowwise else 'tensorwise'}"
+        return f"{super().extra_repr()}, fp8 {self.scaling}"
 
 
 def fp8_eligible(linear: nn.Module) -> bool:
@@ -378,17 +395,22 @@ def fp8_eligible(linear: nn.Module) -> bool:
 def convert_to_fp8_training(module: nn.Module, *, scaling: Fp8Scaling = "tensorwise") -> tuple[int, int]:
     """Swap every `nn.Linear` inside `module` whose sizes allow it for an `Fp8TrainingLinear` with the same
     parameters. Returns (converted, left in high precision). Call before building the optimizer or compiling."""
-    if scaling not in ("tensorwise", "rowwise"):
-        raise ValueError(f"fp8 scaling must be 'tensorwise' or 'rowwise', got {scaling!r}")
+    check_scaling(scaling)
     converted = skipped = 0
     for parent in list(module.modules()):
         for name, child in list(parent.named_children()):
             if fp8_eligible(child):
-                setattr(parent, name, Fp8TrainingLinear(child, rowwise=scaling == "rowwise"))
+                setattr(parent, name, Fp8TrainingLinear(child, scaling=scaling))
                 converted += 1
             elif type(child) is nn.Linear:
                 skipped += 1
     return converted, skipped
+
+
+def check_scaling(scaling: str) -> Fp8Scaling:
+    if scaling not in FP8_SCALINGS:
+        raise ValueError(f"fp8 scaling must be one of {', '.join(FP8_SCALINGS)}, got {scaling!r}")
+    return scaling
 
 
 def fp8_training_problem(device: torch.device) -> str | None:
