@@ -51,8 +51,8 @@ EARLIER_ABLATIONS=(
 # The paper setting: issue 26's two FP8 configurations beside the peer, the FP8 drafter with the FP8 LM head in the
 # loss (`fp8_head`), then also the FP8 target (`fp8_all`: 422.7 ms end to end on an H200 on 2026-12-04, 1.55x the
 # peer), and the same with the drafter's backward GEMMs accumulating fast (`fp8_all_fast`, `tensorwise_fast`; not yet
-# measured: predicted 9-14 ms less per step). The phases share targets in this order (bf16 target, then one FP8 target). Measured and kept in the full
-# list: the FP8 drafter tensorwise and rowwise, alone and beside the FP8 target, and the FP8 target alone
+# measured: predicted 9-14 ms less per step). The phases share targets in this order (bf16 target, then one FP8
+# target). Measured and kept in the full list: the FP8 drafter tensorwise and rowwise, alone and beside the FP8 target, and the FP8 target alone
 # (2026-12-05, H100: 537.5 / 553.2 / 476.3 / 531.1 ms end to end), the target eager (268 against 204 ms compiled)
 # and the loss in chunks of 128 blocks (364.6 against 364.1 ms drafter only: no gain).
 # PAPER_EXTRA adds ';'-separated NAME:overrides phases (e.g. flex kernel options from flex_kernel_bench.py --best);

@@ -170,9 +170,9 @@ class DrafterConfig:
     # Train the drafter's linear layers (q/k/v/o, gate/up/down, fc) with their forward and both backward GEMMs in
     # FP8 (model/fp8.py; GPUs with FP8 tensor cores, or the CPU's reference kernel); fp32 master weights, the
     # optimizer and evaluation unchanged. fp8_scaling: one scale per tensor (e5m2 gradients; fastest),
-    # tensorwise_fast (its backward GEMMs accumulating in Hopper's fast FP8 accumulator instead of float32; not yet
-    # measured in training) or per row (e4m3 everywhere; more accurate, more quantisation passes). Off until measured
-    # in training.
+    # tensorwise_fast (its backward GEMMs accumulating in the FP8 tensor cores' fast accumulator instead of float32;
+    # not yet measured in training) or per row (e4m3 everywhere; more accurate, more quantisation passes). Off until
+    # measured in training.
     fp8: bool = False
     fp8_scaling: Literal["tensorwise", "tensorwise_fast", "rowwise"] = "tensorwise"
 
