@@ -4,9 +4,17 @@
 # [1, 9, 17, 25, 33], CE against the verifier's argmax with exp decay gamma 7, AdamW lr 6e-4, flex attention.
 # Usage on the GPU machine, from the repo root, with .peer/ = shared/peer-bench plus its wheels
 # (bash .peer/get-wheels.sh .peer/whl) copied in:  OUT=... bash benchmarks/peer_bench.sh   -> $OUT/peer.json, peer.log
+# The peer allocates ~71 GiB at this setting (H200, 2026-12-04) and ran out of memory within its first three steps on
+# an 80 GB H100 (2026-12-05): under PEER_MIN_GIB (90) of GPU memory it is skipped, saying so (PEER_MIN_GIB=0 runs it).
 set -u
 source benchmarks/peer_site.sh peer_bench
 set -o pipefail
+total_mib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits -i "${CUDA_VISIBLE_DEVICES:-0}" | head -1)
+if [ "${total_mib:-0}" -lt $(( ${PEER_MIN_GIB:-90} * 1024 )) ]; then
+  echo "peer_bench: skipped: the peer's paper setting needs more than this GPU's ${total_mib} MiB (PEER_MIN_GIB=0: run it anyway)" \
+    | tee "$OUT/peer.log"
+  exit 3
+fi
 cd .peer && PYTHONPATH=$SITE PYTHONUNBUFFERED=1 timeout "${PEER_TIMEOUT:-300}" python3 bench_speculators.py \
   --num-layers 5 --block-size 16 --target-layer-ids 1,9,17,25,33 --attn simple_flex_attention --full-attention \
   --loss-fn ce --loss-impl fused --per-position-loss-weight fixed-exp-decay --gamma 7 --optimizer adamw --lr 6e-4 \
