@@ -257,11 +257,8 @@ def test_compiled_graphs_call_the_fp8_ops_and_compute_what_eager_does(scaling):
             torch.testing.assert_close(grad, expected, rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
-def test_tensorwise_fast_accumulates_its_backward_fast_and_is_tensorwise_otherwise(compiled, monkeypatch):
-    """`tensorwise_fast` changes one thing against `tensorwise`: its two backward GEMMs ask the scaled matmul for
-    fast accumulation (the forward always does), eagerly and through AOT autograd's graphs. The CPU's reference
-    kernel accumulates in float32 either way, so the gradients here are bitwise tensorwise's."""
+def _record_accumulation(monkeypatch) -> list[bool]:
+    """Every scaled matmul's `fast_accum` from now on, in call order (the ops look `scaled_matmul` up at run time)."""
     calls: list[bool] = []
     original = fp8.scaled_matmul
 
@@ -270,6 +267,15 @@ def test_tensorwise_fast_accumulates_its_backward_fast_and_is_tensorwise_otherwi
         return original(*args, fast_accum=fast_accum, **kwargs)
 
     monkeypatch.setattr(fp8, "scaled_matmul", recording)
+    return calls
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_tensorwise_fast_accumulates_its_backward_fast_and_is_tensorwise_otherwise(compiled, monkeypatch):
+    """`tensorwise_fast` changes one thing against `tensorwise`: its two backward GEMMs ask the scaled matmul for
+    fast accumulation (the forward always does), eagerly and through AOT autograd's graphs. The CPU's reference
+    kernel accumulates in float32 either way, so the gradients here are bitwise tensorwise's."""
+    calls = _record_accumulation(monkeypatch)
     gen = torch.Generator().manual_seed(7)
     x = torch.randn(40, 64, generator=gen)
     linear = nn.Linear(64, 32, bias=False)
@@ -377,14 +383,7 @@ def _fp8_copy(scaling: str, **config) -> tuple[DFlashDrafter, DFlashDrafter]:
 def test_every_backward_gemm_of_the_drafter_accumulates_as_its_scaling_says(scaling, monkeypatch):
     """The drafter's fused q/k/v and gate/up GEMMs (`fused_linear`) and its single linears: with `tensorwise_fast`
     every scaled matmul accumulates fast, with `tensorwise` the forward ones only (one per FP8 linear call)."""
-    calls: list[bool] = []
-    original = fp8.scaled_matmul
-
-    def recording(*args, fast_accum=False, **kwargs):
-        calls.append(fast_accum)
-        return original(*args, fast_accum=fast_accum, **kwargs)
-
-    monkeypatch.setattr(fp8, "scaled_matmul", recording)
+    calls = _record_accumulation(monkeypatch)
     _, drafter = _fp8_copy(scaling, num_hidden_layers=1)
     _drafter_step(drafter)
     # Per layer: fused q/k/v, o, fused gate/up, down; then fc: 5 FP8 linears, each one forward and two backward GEMMs.
