@@ -375,8 +375,14 @@ class Fp8TrainingLinear(nn.Linear):
         self.weight = linear.weight
         self.register_parameter("bias", linear.bias)
         self.scaling = check_scaling(scaling)
-        self.rowwise = scaling == "rowwise"
-        self.fast_backward = scaling == "tensorwise_fast"
+
+    @property
+    def rowwise(self) -> bool:
+        return self.scaling == "rowwise"
+
+    @property
+    def fast_backward(self) -> bool:
+        return self.scaling == "tensorwise_fast"
 
     def forward(self, x: Tensor) -> Tensor:
         if not self.training:
