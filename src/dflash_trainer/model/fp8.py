@@ -70,7 +70,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from functools import cache
-from typing import Literal
+from typing import Literal, get_args
 
 import torch
 import torch.nn.functional as F
@@ -85,7 +85,7 @@ E4M3_MAX = torch.finfo(E4M3).max  # 448
 ALIGNMENT = 16
 
 Fp8Scaling = Literal["tensorwise", "tensorwise_fast", "rowwise"]
-FP8_SCALINGS: tuple[Fp8Scaling, ...] = ("tensorwise", "tensorwise_fast", "rowwise")
+FP8_SCALINGS: tuple[Fp8Scaling, ...] = get_args(Fp8Scaling)
 
 
 def quantize(values: Tensor, dtype: torch.dtype = E4M3, *, rowwise: bool = True) -> tuple[Tensor, Tensor]:
