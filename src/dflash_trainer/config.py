@@ -381,6 +381,11 @@ class TrainConfig:
     # Seconds without an optimizer step (or a periodic evaluation, or a checkpoint) after which every thread's stack
     # is printed to stderr, and again while nothing moves; the run goes on (train/stall.py). 0: never; else >= 1.
     stall_report_s: float = 900.0
+    # Run the target's forward for the next optimizer step on a side CUDA stream while this step trains the drafter
+    # (train/lookahead.py): the same values, the target's GEMMs filling the drafter step's idle tensor cores; one
+    # step's target outputs more in memory. Colocated placement only (a target rank already runs ahead); on the CPU
+    # the same order on one stream (no gain).
+    target_lookahead: bool = False
 
     def validate(self) -> None:
         _require(self.epochs >= 1, "train.epochs", "must be >= 1")
@@ -624,6 +629,16 @@ class RunConfig:
             not self.eval.argmax_drafts or self.drafter.algorithm == "dflash2",
             "eval.argmax_drafts",
             "needs drafter.algorithm: dflash2 (a DFlash drafter drafts each slot's argmax already)",
+        )
+        _require(
+            not self.train.target_lookahead or self.target.compile_mode != "reduce-overhead",
+            "train.target_lookahead",
+            "not with target.compile_mode: reduce-overhead (CUDA graph trees on a second stream: not supported)",
+        )
+        _require(
+            not self.train.target_lookahead or not self.placement.disaggregated,
+            "train.target_lookahead",
+            "colocated placement only: with target ranks the target already runs ahead of the drafters",
         )
         drafter = self.drafter
         embedding_codebooks = drafter.algorithm == "dflash2" and drafter.dflash2.selector_codebooks == "embedding"

@@ -21,6 +21,7 @@ from dataclasses import dataclass, fields
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from ..data.sampler import PackedBatch
 from ..flex import TILE
@@ -28,6 +29,7 @@ from ..model.anchors import block_input_ids, block_labels, block_positions, samp
 from ..model.attention import MaskVariant, TileTables, mask_tables
 from ..targets.capture import FeatureCapture, TargetOutputs
 from ..targets.documents import DocumentLayout, host_boundaries
+from .profiler import StageProfiler
 
 
 @dataclass
@@ -79,6 +81,19 @@ class TrainBatch:
             if self.segment_boundaries is not None:
                 layout = DocumentLayout.from_device_doc_ids(self.doc_ids, self.segment_boundaries)
         return capture.capture(self.input_ids, self.position_ids, doc_ids, documents=layout)
+
+    def target_outputs(
+        self, capture: FeatureCapture, *, labels_head: nn.Module | None, chunk_positions: int, profiler: StageProfiler
+    ) -> TargetOutputs:
+        """`capture_target` and, with `labels_head` (target-argmax labels), the target's greedy next tokens under it
+        (one LM-head pass per position instead of per block slot: blocks overlap; the loss gathers them per slot).
+        What a colocated step, the lookahead and a target rank compute alike, timed as their two stages."""
+        with profiler.stage("target_forward"):
+            outputs = self.capture_target(capture)
+        if labels_head is not None:
+            with profiler.stage("target_labels"):
+                outputs = outputs.with_next_tokens(labels_head, chunk_positions=chunk_positions)
+        return outputs
 
     def pin_memory(self) -> TrainBatch:
         pinned = {}

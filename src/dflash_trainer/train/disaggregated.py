@@ -495,12 +495,13 @@ class TargetWorker:
     ) -> None:
         with self.profiler.stage("data"):
             batch = host_batch.to(self.world.device)
-        with self.profiler.stage("target_forward"):
-            outputs = batch.capture_target(capture)
-        if self.config.loss.label_source == "target_argmax":  # the LM head runs here, on the target rank
-            with self.profiler.stage("target_labels"):
-                chunk = self.config.loss.chunk_blocks * start["block_size"]
-                outputs = outputs.with_next_tokens(lm_head_module(self.target.model), chunk_positions=chunk)
+        argmax_labels = self.config.loss.label_source == "target_argmax"  # the LM head runs here, on the target rank
+        outputs = batch.target_outputs(
+            capture,
+            labels_head=lm_head_module(self.target.model) if argmax_labels else None,
+            chunk_positions=self.config.loss.chunk_blocks * start["block_size"],
+            profiler=self.profiler,
+        )
         host, tensors = pack_batch(
             batch, outputs, num_features=len(start["layer_ids"]), split=self.config.placement.split_features
         )

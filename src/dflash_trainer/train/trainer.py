@@ -82,6 +82,7 @@ from ..targets.varlen_hybrid import linear_attention_layers, why_not_varlen_hybr
 from . import checkpoint as ckpt
 from .batch import TrainBatch
 from .data_setup import load_training_data, plan_to_host_batch
+from .lookahead import TargetLookahead
 from .metrics import (
     CompileWatch,
     MetricsLogger,
@@ -242,6 +243,8 @@ class Trainer:
         # The data position of the last trained step, when steps are prepared ahead (see StepWork).
         self._trained: StepWork | None = None
         self._prefetcher: Prefetcher[StepWork] | None = None
+        # The target run one step ahead on a side stream (`train.target_lookahead`, `lookahead.py`); None when off.
+        self._lookahead: TargetLookahead | None = None
         self._logged_prefetch_wait_s = 0.0
         self.profiler = StageProfiler.from_env(
             config.metrics.profile_interval, self.device, sink=self.log, label=self.rank_label()
@@ -300,7 +303,19 @@ class Trainer:
 
     def _step_groups(self) -> Iterator[StepWork]:
         """This rank's micro-batches per optimizer step, across epochs, from the sampler's (resumable) position:
-        prepared on the prefetch worker, copied to the device here."""
+        prepared on the prefetch worker, copied to the device here; with `train.target_lookahead`, each with its
+        target outputs computed one step ahead (`lookahead.py`)."""
+        if not self.config.train.target_lookahead:
+            yield from self._device_steps()
+            return
+        self._lookahead = TargetLookahead(self._device_steps(), self._target_outputs, device=self.device)
+        try:
+            yield from self._lookahead
+        finally:
+            self._lookahead.close()
+            self._lookahead = None
+
+    def _device_steps(self) -> Iterator[StepWork]:
         prefetcher = Prefetcher(self._prepared_steps(), depth=self.config.data.prefetch_steps, name="dflash-prefetch")
         self._prefetcher = prefetcher
         try:
@@ -647,10 +662,19 @@ class Trainer:
         self.skipped_nonfinite += 1
         self.log(f"skipping: {message}")
 
+    def _target_outputs(self, batch: TrainBatch) -> TargetOutputs:
+        """The target's outputs for one micro-batch: the tapped features and, for target-argmax labels, the greedy
+        next tokens, as a target rank computes them (`disaggregated.py`)."""
+        return batch.target_outputs(
+            self.capture,
+            labels_head=self.lm_head if self.config.loss.label_source == "target_argmax" else None,
+            chunk_positions=self.config.loss.chunk_blocks * self.model_config.block_size,
+            profiler=self.profiler,
+        )
+
     def _forward_backward(self, batch: TrainBatch, outputs: TargetOutputs | None, *, scale: float) -> LossMetrics:
         if outputs is None:
-            with self.profiler.stage("target_forward"):
-                outputs = batch.capture_target(self.capture)
+            outputs = self._target_outputs(batch)
         with self.profiler.stage("feature_pack"):
             features = self._noisy(outputs.features)
             with torch.no_grad():
@@ -688,8 +712,8 @@ class Trainer:
                 loss_config = self.config.loss
                 labels, label_source, target_hidden = batch.labels, loss_config.label_source, None
                 if label_source == "target_argmax":
-                    # One LM-head pass per position instead of per block slot (blocks overlap), gathered per slot:
-                    # the same labels. A target rank may have sent the next tokens already.
+                    # The target's greedy next tokens (`_target_outputs`, or a target rank's), gathered per slot;
+                    # from the final states here when the outputs came without them (the bench's replayed features).
                     if outputs.next_tokens is None:
                         chunk = loss_config.chunk_blocks * block
                         outputs = outputs.with_next_tokens(self.lm_head, chunk_positions=chunk)
@@ -880,6 +904,8 @@ class Trainer:
             num_prompts=eval_config.num_prompts,
             max_new_tokens=eval_config.max_new_tokens,
         )
+        if self._lookahead is not None:  # the next step's target forward must not share the device with decoding
+            self._lookahead.settle()
         with self.profiler.stage("eval"), self.sync.gathered_for_decoding():
             tau = decode()
             # Per set too: a run cut short still says where each set stood at its last evaluation.
