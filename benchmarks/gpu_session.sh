@@ -148,7 +148,7 @@ smoke_command() {
   # Not -x: one failing test must not hide whether the others pass (a window test once hid the flags test behind it);
   # the timeout bounds a hot path broken everywhere.
   echo "PYTHONPATH=$REPO/src:$SITE timeout 300 python3 -m pytest -v -rf --tb=short -m gpu -p no:cacheprovider \
-    tests/test_gpu.py tests/test_packed_target_gpu.py tests/test_top_k_ids.py -k 'not hybrid'"
+    tests/test_gpu.py tests/test_packed_target_gpu.py tests/test_top_k_ids.py tests/test_lookahead.py -k 'not hybrid'"
 }
 
 # The main job's answers (the merged `regen-00000.jsonl` and `regen.json` of `data/*-chat`) as tar.gz in 15 MiB parts

@@ -48,21 +48,25 @@ EARLIER_ABLATIONS=(
   --ablation "autotune:drafter.compile_mode=max-autotune-no-cudagraphs"
   --ablation "tile64:drafter.flex_tile=64,drafter.compile_mode=max-autotune-no-cudagraphs"
 )
-# The paper setting: issue 26's two FP8 configurations beside the peer, the FP8 drafter with the FP8 LM head in the
-# loss (`fp8_head`), then also the FP8 target (`fp8_all`: 422.7 ms end to end on an H200 on 2026-12-04, 1.55x the
-# peer), and the same with the drafter's backward GEMMs accumulating fast (`fp8_all_fast`, `tensorwise_fast`; not yet
-# measured: predicted 9-14 ms less per step). The phases share targets in this order (bf16 target, then one FP8
-# target). Measured and kept in the full list: the FP8 drafter tensorwise and rowwise, alone and beside the FP8 target, and the FP8 target alone
+# The paper setting, beside the peer: the target's forward one step ahead on a side stream (`lookahead`,
+# `train.target_lookahead`; not yet measured: timed back to back, against the baseline's back-to-back step), the FP8
+# drafter, target and LM head (`fp8_all`: 422.7 ms end to end on an H200 on 2026-12-04, 1.55x the peer), the same
+# with the drafter's backward GEMMs accumulating fast (`fp8_all_fast`, `tensorwise_fast`; not yet measured: predicted
+# 9-14 ms less per step), and both changes together. The phases share targets in this order (bf16 target, then one
+# FP8 target). Measured and kept in the full list: the FP8 drafter with the FP8 LM head (481.1 ms end to end on an
+# H200, 2026-12-04), the FP8 drafter tensorwise and rowwise, alone and beside the FP8 target, and the FP8 target alone
 # (2026-12-05, H100: 537.5 / 553.2 / 476.3 / 531.1 ms end to end), the target eager (268 against 204 ms compiled)
 # and the loss in chunks of 128 blocks (364.6 against 364.1 ms drafter only: no gain).
 # PAPER_EXTRA adds ';'-separated NAME:overrides phases (e.g. flex kernel options from flex_kernel_bench.py --best);
 # ABLATION_DRAFTER_ONLY=1 times each ablation's drafter-only step too (bench --drafter-only-ablations).
 NEW_PAPER_ABLATIONS=(
-  --ablation "fp8_head:drafter.fp8=true,loss.fp8_head=true"
+  --ablation "lookahead:train.target_lookahead=true"
   --ablation "fp8_all:drafter.fp8=true,loss.fp8_head=true,target.fp8=true"
   --ablation "fp8_all_fast:drafter.fp8=true,drafter.fp8_scaling=tensorwise_fast,loss.fp8_head=true,target.fp8=true"
+  --ablation "fp8_all_fast_lookahead:drafter.fp8=true,drafter.fp8_scaling=tensorwise_fast,loss.fp8_head=true,target.fp8=true,train.target_lookahead=true"
 )
 MEASURED_PAPER_ABLATIONS=(
+  --ablation "fp8_head:drafter.fp8=true,loss.fp8_head=true"
   --ablation "fp8_drafter:drafter.fp8=true"
   --ablation "fp8_drafter_rowwise:drafter.fp8=true,drafter.fp8_scaling=rowwise"
   --ablation "fp8_both:drafter.fp8=true,target.fp8=true"

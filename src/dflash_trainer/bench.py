@@ -29,7 +29,11 @@ stage its synchronised wall time against its kernels' busy time; `--trace-dir` a
 trace, the stages in it as `stage:NAME` ranges: steps whose stages wait for their kernels, so the trace shows no
 overlap of host and GPU across stages).
 Timing follows benchmarks/METHOD: warm-up steps first, then the median of timed steps, each bracketed by device
-synchronisation. Results go to stdout and, with `--out`, to a JSON file.
+synchronisation; then as many steps back to back, each timed from the previous step's end to its own by CUDA events
+(`back_to_back_steps`: the period a training loop runs at, host launches overlapping the device's work). A phase that
+runs the target one step ahead on a side stream (`train.target_lookahead`) is timed back to back only: bracketing its
+steps by synchronisations would leave the next step's target forward outside every timer. Compare such a phase with
+the others' back-to-back medians. Results go to stdout and, with `--out`, to a JSON file.
 """
 
 from __future__ import annotations
@@ -129,6 +133,13 @@ class PhaseResult:
     # (`rate_at_data_mean`): the rate a whole epoch would run at, free of which steps happened to be timed. None when
     # the timed steps are too few or too alike in size to fit a line (the drafter-only phase replays one batch).
     tokens_per_s_at_data_mean: float | None = None
+
+    # Median time between the ends of consecutive steps run back to back (`steps` more steps, no synchronisation
+    # between them: `step_periods`): the step a training loop runs at, host launches overlapping the device's work.
+    # Phases with the target run one step ahead (`train.target_lookahead`) are timed this way only (`pipelined`):
+    # bracketing each step by synchronisations would move the next step's target forward outside the timer.
+    step_ms_period: float | None = None
+    pipelined: bool = False
 
     # Why the phase has no numbers (it ran out of device memory); None when it ran.
     error: str | None = None
@@ -269,6 +280,8 @@ def time_steps(
     def run(work: StepWork) -> None:
         trainer._optimizer_step(work.batches, outputs=work.outputs, loss_scale=work.loss_scale)
 
+    pipelined = trainer.config.train.target_lookahead and not drafter_only
+
     started, first_compiles, compile_snapshot = time.perf_counter(), CompileWatch(), compile_times()
     frames_mark = time.time_ns() // 1000
     run(next(works))
@@ -284,7 +297,7 @@ def time_steps(
     times, tokens, blocks, step_compiles, step_triton = [], [], [], [], []
     triton_cache = triton_cache_dir()  # after warm-up: where Inductor pointed Triton, if it ran a kernel
     with GpuMonitor(device) as monitor:
-        for _ in range(steps):
+        for _ in range(0 if pipelined else steps):
             work = next(works)
             sync()
             triton_before = triton_cache_entries(triton_cache)
@@ -297,6 +310,11 @@ def time_steps(
             step_triton.append(None if triton_before is None or triton_after is None else triton_after - triton_before)
             tokens.append(sum(b.num_tokens for b in work.batches))
             blocks.append(sum(b.num_blocks for b in work.batches))
+        window = back_to_back_steps(run, works, steps=steps, device=device)
+        if pipelined:
+            times, tokens, blocks = window.seconds, window.tokens, window.blocks
+            step_compiles = [compiles.take()[2]] + [0] * (steps - 1)  # counted over the window: no per-step sync
+            step_triton = [None] * steps
     recompiles, clock = sum(step_compiles), monitor.reading
     retries = (allocator_retries(device) or 0) - retries
     trainer._settle_flags()
@@ -333,6 +351,8 @@ def time_steps(
     return PhaseResult(
         name=name,
         step_ms_median=median * 1e3,
+        step_ms_period=statistics.median(window.seconds) * 1e3,
+        pipelined=pipelined,
         step_ms_min=min(times) * 1e3,
         step_ms_max=max(times) * 1e3,
         tokens_per_step=tokens_per_step,
@@ -364,6 +384,44 @@ def time_steps(
             [bool(c) or bool(t) for c, t in zip(step_compiles, step_triton, strict=True)],
         ),
     )
+
+
+@dataclass
+class StepWindow:
+    seconds: list[float]  # per step: from the previous step's end to its own
+    tokens: list[int]
+    blocks: list[int]
+
+
+def back_to_back_steps(run: Callable[[StepWork], None], works: Iterator[StepWork], *, steps: int, device) -> StepWindow:
+    """`steps` steps run back to back, with no synchronisation between them, each timed from the previous step's end
+    to its own: on CUDA by events recorded on the current stream after each step (the device's clock; the host may
+    run ahead), on the CPU by the host's clock (its ops run as they are issued)."""
+    tokens, blocks = [], []
+
+    def one_step() -> None:
+        work = next(works)
+        run(work)
+        tokens.append(sum(b.num_tokens for b in work.batches))
+        blocks.append(sum(b.num_blocks for b in work.batches))
+
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        ends = [torch.cuda.Event(enable_timing=True)]
+        ends[0].record()
+        for _ in range(steps):
+            one_step()
+            ends.append(torch.cuda.Event(enable_timing=True))
+            ends[-1].record()
+        torch.cuda.synchronize(device)
+        seconds = [start.elapsed_time(end) / 1e3 for start, end in itertools.pairwise(ends)]
+    else:
+        marks = [time.perf_counter()]
+        for _ in range(steps):
+            one_step()
+            marks.append(time.perf_counter())
+        seconds = [end - start for start, end in itertools.pairwise(marks)]
+    return StepWindow(seconds=seconds, tokens=tokens, blocks=blocks)
 
 
 def data_tokens_per_step(trainer: Trainer) -> float | None:
@@ -549,8 +607,9 @@ def run_bench(
                 "bench times GPU training steps at the recipe's full size, and this machine has no CUDA device"
             )
         setting = setting_for(probe, documents)
-        # Enough steps for the end-to-end phases: warm-up, timed, stage- and kernel-profiled steps, and some slack.
-        groups = 2 * (warmup + steps + 2 * PROFILED_STEPS + 2)
+        # Enough steps for the end-to-end phases: warm-up, timed (twice: one at a time, then back to back), stage- and
+        # kernel-profiled steps, one more prepared ahead (`train.target_lookahead`), and some slack.
+        groups = 2 * (warmup + 2 * steps + 2 * PROFILED_STEPS + 2)
         shards = write_synthetic_shards(
             Path(tmp) / "shards", setting=setting, groups=groups, vocab=setting.architecture["vocab_size"]
         )
@@ -594,8 +653,11 @@ def run_bench(
             trainer = Trainer(config, target=target, log=print)
             trainer.start_log_window()
             suffix = f"[{name}]" if name else ""
-            # An ablation of the target alone (`target.*`) leaves the drafter-only step as it was: not timed again.
-            target_only = bool(extra) and all(override.startswith("target.") for override in extra)
+            # An ablation of the target alone (`target.*`, or when it runs: `train.target_lookahead`) leaves the
+            # drafter-only step as it was: not timed again.
+            target_only = bool(extra) and all(
+                override.startswith(("target.", "train.target_lookahead")) for override in extra
+            )
             if index == 0 or (drafter_only_ablations and not target_only):
                 batch = trainer.make_batch(next(iter(trainer.sampler)))
                 if index == 0:
@@ -691,8 +753,13 @@ def print_phase(r: PhaseResult) -> None:
         print(f"{r.name:>32}: {r.error} (peak {r.peak_mem_gib:.1f} GiB allocated)")
         return
     mfu = f"{100 * r.mfu:.1f}%" if r.mfu is not None else "n/a"
+    period = ""
+    if r.pipelined:
+        period = "; back to back: the target one step ahead"
+    elif r.step_ms_period is not None:
+        period = f"; back to back {r.step_ms_period:.1f}"
     print(
-        f"{r.name:>32}: {r.step_ms_median:8.1f} ms/step (min {r.step_ms_min:.1f}, max {r.step_ms_max:.1f}) | "
+        f"{r.name:>32}: {r.step_ms_median:8.1f} ms/step (min {r.step_ms_min:.1f}, max {r.step_ms_max:.1f}{period}) | "
         f"{r.tokens_per_s:9.0f} target tok/s | MFU {mfu} | peak {r.peak_mem_gib:.1f} GiB | "
         f"first step {r.first_step_s:.1f}s ({r.first_step_compiles} frames compiled, {r.first_step_compile_s:.1f}s in "
         f"dynamo's compile) | recompiles {r.recompiles_after_warmup} | "
