@@ -61,9 +61,9 @@ def shards(tmp_path_factory):
     return write_counting_shards(tmp_path_factory.mktemp("data") / "shards")
 
 
-@pytest.mark.parametrize("label_source", ["data", "target_argmax"])
-def test_a_run_with_the_target_one_step_ahead_is_the_run_without_it(tmp_path, shards, label_source):
-    """Six steps with and without `train.target_lookahead`: the same losses at every step and the same weights."""
+def train_with_and_without_lookahead(tmp_path, shards, *, steps, label_source, overrides=()):
+    """The same tiny run without and with `train.target_lookahead`: {lookahead: (losses per step, final weights)};
+    checks that each run asked for the target's outputs once per step (none past the last)."""
     target = save_tiny_target(tmp_path / "target")
     runs = {}
     for lookahead in (False, True):
@@ -73,21 +73,27 @@ def test_a_run_with_the_target_one_step_ahead_is_the_run_without_it(tmp_path, sh
             run_dir,
             target,
             shards,
-            train={"max_steps": 6, "target_lookahead": lookahead},
+            train={"max_steps": steps, "target_lookahead": lookahead},
             loss={"label_source": label_source},
             metrics={"log_every": 1},
         )
-        trainer = Trainer(load_config(recipe), log=lambda _: None)
+        trainer = Trainer(load_config(recipe, list(overrides)), log=lambda _: None)
         calls = []
         real = trainer._target_outputs
         trainer._target_outputs = lambda batch, real=real, calls=calls: calls.append(1) or real(batch)
-        summary = trainer.fit()
-        assert summary.steps == 6 and len(calls) == 6  # once per step either way, none past the last
+        assert trainer.fit().steps == steps and len(calls) == steps
         weights = load_file(str(ckpt.latest_checkpoint(run_dir) / "drafter.safetensors"))
         runs[lookahead] = ([r["loss"] for r in read_metrics(run_dir)], weights)
+    assert len(runs[False][0]) == steps and runs[False][1].keys() == runs[True][1].keys()
+    return runs
+
+
+@pytest.mark.parametrize("label_source", ["data", "target_argmax"])
+def test_a_run_with_the_target_one_step_ahead_is_the_run_without_it(tmp_path, shards, label_source):
+    """Six steps with and without `train.target_lookahead`: the same losses at every step and the same weights."""
+    runs = train_with_and_without_lookahead(tmp_path, shards, steps=6, label_source=label_source)
     (losses, weights), (ahead_losses, ahead_weights) = runs[False], runs[True]
-    assert len(losses) == 6 and ahead_losses == losses
-    assert weights.keys() == ahead_weights.keys()
+    assert ahead_losses == losses
     for name, tensor in weights.items():
         assert torch.equal(ahead_weights[name], tensor), name
 
@@ -112,25 +118,14 @@ def test_on_cuda_the_side_stream_run_trains_as_the_plain_step(tmp_path, shards):
     """The real loop on CUDA (compiled target layers, flex, bf16, target-argmax labels): the target's forward of the
     next step runs on a side stream beside this step, and every step's loss and the final weights are the plain
     run's: the same kernels on the same inputs, only their order on the device differs."""
-    target = save_tiny_target(tmp_path / "target")
-    runs = {}
-    for lookahead in (False, True):
-        run_dir = tmp_path / f"run-{lookahead}"
-        recipe = write_recipe(
-            tmp_path / f"{lookahead}.yaml",
-            run_dir,
-            target,
-            shards,
-            train={"max_steps": 12, "target_lookahead": lookahead},
-            loss={"label_source": "target_argmax"},
-            metrics={"log_every": 1},
-        )
-        config = load_config(recipe, ["target.device=cuda", "target.compile=true"])
-        Trainer(config, log=lambda _: None).fit()
-        weights = load_file(str(ckpt.latest_checkpoint(run_dir) / "drafter.safetensors"))
-        runs[lookahead] = ([r["loss"] for r in read_metrics(run_dir)], weights)
+    runs = train_with_and_without_lookahead(
+        tmp_path,
+        shards,
+        steps=12,
+        label_source="target_argmax",
+        overrides=["target.device=cuda", "target.compile=true"],
+    )
     (losses, weights), (ahead_losses, ahead_weights) = runs[False], runs[True]
-    assert len(losses) == 12
     torch.testing.assert_close(torch.tensor(ahead_losses), torch.tensor(losses), rtol=1e-5, atol=1e-6)
     for name, tensor in weights.items():
         torch.testing.assert_close(ahead_weights[name], tensor, rtol=1e-4, atol=1e-6, msg=name)
