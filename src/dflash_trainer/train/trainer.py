@@ -310,9 +310,8 @@ class Trainer:
             return
         self._lookahead = TargetLookahead(self._device_steps(), self._target_outputs, device=self.device)
         try:
-            yield from self._lookahead
+            yield from self._lookahead  # closing this generator closes the lookahead's (it settles, then closes)
         finally:
-            self._lookahead.close()
             self._lookahead = None
 
     def _device_steps(self) -> Iterator[StepWork]:
