@@ -135,7 +135,8 @@ class PhaseResult:
     tokens_per_s_at_data_mean: float | None = None
 
     # Median time between the ends of consecutive steps run back to back (`steps` more steps, no synchronisation
-    # between them: `back_to_back_steps`): the step a training loop runs at, host launches overlapping the device's work.
+    # between them: `back_to_back_steps`): the step a training loop runs at, host launches overlapping the device's
+    # work.
     # Phases with the target run one step ahead (`train.target_lookahead`) are timed this way only (`pipelined`):
     # bracketing each step by synchronisations would move the next step's target forward outside the timer.
     step_ms_period: float | None = None
