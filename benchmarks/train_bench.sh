@@ -5,7 +5,7 @@
 #   SmolLM2 setting: random SmolLM2-135M-shaped target, the GPU recipe's batch shape (recipes/bench-smollm2.yaml)
 # Each ablation is one more end-to-end phase in the same process with one optimisation switched off.
 # STEPS / WARMUP override the step counts; ABLATIONS=0 runs the baselines only, ABLATIONS=new the latest ablations
-# (NEW_ABLATIONS for SmolLM2: changes not yet measured; NEW_PAPER_ABLATIONS: the FP8 target; PAPER_EXTRA:
+# (NEW_ABLATIONS for SmolLM2: changes not yet measured; NEW_PAPER_ABLATIONS: the paper setting's; PAPER_EXTRA:
 # more, from the command line); RUN_TIMEOUT (s, default 200) bounds each setting's process; KERNELS=N also prints each phase's
 # N kernels with the most device time (bench --kernels), and TRACES=1 writes their Chrome traces under
 # $OUT/traces-<setting>/ (tens of MB each); SETTINGS=smollm2 (or paper) runs one setting only.
@@ -48,24 +48,21 @@ EARLIER_ABLATIONS=(
   --ablation "autotune:drafter.compile_mode=max-autotune-no-cudagraphs"
   --ablation "tile64:drafter.flex_tile=64,drafter.compile_mode=max-autotune-no-cudagraphs"
 )
-# The paper setting, beside the peer: the target's forward one step ahead on a side stream (`lookahead`,
-# `train.target_lookahead`; not yet measured: timed back to back, against the baseline's back-to-back step), the FP8
-# drafter, target and LM head (`fp8_all`: 422.7 ms end to end on an H200 on 2026-12-04, 1.55x the peer), the same
-# with the drafter's backward GEMMs accumulating fast (`fp8_all_fast`, `tensorwise_fast`; not yet measured: predicted
-# 9-14 ms less per step), and both changes together. The phases share targets in this order (bf16 target, then one
-# FP8 target). Measured and kept in the full list: the FP8 drafter with the FP8 LM head (481.1 ms end to end on an
-# H200, 2026-12-04), the FP8 drafter tensorwise and rowwise, alone and beside the FP8 target, and the FP8 target alone
-# (2026-12-05, H100: 537.5 / 553.2 / 476.3 / 531.1 ms end to end), the target eager (268 against 204 ms compiled)
-# and the loss in chunks of 128 blocks (364.6 against 364.1 ms drafter only: no gain).
+# The paper setting, beside the peer: nothing new. Measured and kept in the full list: the target's forward one step
+# ahead on a side stream (`lookahead`), the FP8 drafter, target and LM head (`fp8_all`), the same with the drafter's
+# backward GEMMs accumulating fast (`fp8_all_fast`) and both (2026-12-06, H100, back to back: 583.0 bf16, 579.3
+# lookahead, 458.8 / 454.7 / 455.9 ms; the step runs at the power cap); the FP8 drafter with the FP8 LM head (481.1 ms
+# end to end on an H200, 2026-12-04), the FP8 drafter tensorwise and rowwise, alone and beside the FP8 target, and the
+# FP8 target alone (2026-12-05, H100: 537.5 / 553.2 / 476.3 / 531.1 ms end to end), the target eager (268 against
+# 204 ms compiled) and the loss in chunks of 128 blocks (364.6 against 364.1 ms drafter only: no gain).
 # PAPER_EXTRA adds ';'-separated NAME:overrides phases (e.g. flex kernel options from flex_kernel_bench.py --best);
 # ABLATION_DRAFTER_ONLY=1 times each ablation's drafter-only step too (bench --drafter-only-ablations).
-NEW_PAPER_ABLATIONS=(
+NEW_PAPER_ABLATIONS=()
+MEASURED_PAPER_ABLATIONS=(
   --ablation "lookahead:train.target_lookahead=true"
   --ablation "fp8_all:drafter.fp8=true,loss.fp8_head=true,target.fp8=true"
   --ablation "fp8_all_fast:drafter.fp8=true,drafter.fp8_scaling=tensorwise_fast,loss.fp8_head=true,target.fp8=true"
   --ablation "fp8_all_fast_lookahead:drafter.fp8=true,drafter.fp8_scaling=tensorwise_fast,loss.fp8_head=true,target.fp8=true,train.target_lookahead=true"
-)
-MEASURED_PAPER_ABLATIONS=(
   --ablation "fp8_head:drafter.fp8=true,loss.fp8_head=true"
   --ablation "fp8_drafter:drafter.fp8=true"
   --ablation "fp8_drafter_rowwise:drafter.fp8=true,drafter.fp8_scaling=rowwise"
