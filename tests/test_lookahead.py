@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import shutil
+
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -129,3 +131,39 @@ def test_on_cuda_the_side_stream_run_trains_as_the_plain_step(tmp_path, shards):
     torch.testing.assert_close(torch.tensor(ahead_losses), torch.tensor(losses), rtol=1e-5, atol=1e-6)
     for name, tensor in weights.items():
         torch.testing.assert_close(ahead_weights[name], tensor, rtol=1e-4, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize("algorithm", ["dflash", "dflash2"])
+def test_a_checkpoint_taken_with_a_step_prepared_ahead_resumes_to_the_uninterrupted_run(tmp_path, shards, algorithm):
+    """With the lookahead, step n+1's batch is drawn and its target run before step n's checkpoint is written: the
+    checkpoint must name the data position of the steps trained, not of the step prepared; and a periodic evaluation
+    between steps waits for the forward in flight. A run resumed from its step-3 checkpoint (the later one removed)
+    ends with the uninterrupted run's weights and losses."""
+    target = save_tiny_target(tmp_path / "target")
+    run_dir = tmp_path / "straight"
+    recipe = write_recipe(
+        tmp_path / "r.yaml",
+        run_dir,
+        target,
+        shards,
+        drafter={"algorithm": algorithm},
+        train={"max_steps": 6, "target_lookahead": True},
+        checkpoint={"every_steps": 3, "keep_last": 2},
+        eval={"every_steps": 3, "datasets": ["gsm8k"], "num_prompts": 1, "max_new_tokens": 6},
+    )
+    assert Trainer(load_config(recipe), log=lambda _: None).fit().steps == 6
+    assert [r["step"] for r in read_metrics(run_dir) if "eval_tau" in r] == [3, 6]  # settled, evaluated, went on
+    want_losses = [r["loss"] for r in read_metrics(run_dir) if "loss" in r]
+    want_weights = load_file(str(ckpt.latest_checkpoint(run_dir) / "drafter.safetensors"))
+
+    resumed_dir = tmp_path / "resumed"
+    shutil.copytree(run_dir, resumed_dir)
+    shutil.rmtree(ckpt.latest_checkpoint(resumed_dir))  # as if stopped right after step 3's checkpoint
+    assert ckpt.latest_checkpoint(resumed_dir).name == "step-00000003"
+    resumed = Trainer(load_config(recipe, [f"run_dir={resumed_dir}"]), log=lambda _: None).fit()
+    assert resumed.steps == 6
+    assert [r["loss"] for r in read_metrics(resumed_dir) if "loss" in r] == want_losses
+    got_weights = load_file(str(ckpt.latest_checkpoint(resumed_dir) / "drafter.safetensors"))
+    assert got_weights.keys() == want_weights.keys()
+    for name, tensor in want_weights.items():
+        assert torch.equal(got_weights[name], tensor), name
