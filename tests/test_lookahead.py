@@ -6,13 +6,12 @@ import shutil
 
 import pytest
 import torch
-from safetensors.torch import load_file
 
 from dflash_trainer.config import ConfigError, load_config
 from dflash_trainer.train import checkpoint as ckpt
 from dflash_trainer.train.lookahead import TargetLookahead
 from dflash_trainer.train.trainer import StepWork, Trainer
-from train_helpers import read_metrics, save_tiny_target, write_counting_shards, write_recipe
+from train_helpers import final_weights, read_metrics, save_tiny_target, write_counting_shards, write_recipe
 
 
 def steps_of(events: list[str], count: int):
@@ -84,7 +83,7 @@ def train_with_and_without_lookahead(tmp_path, shards, *, steps, label_source, o
         real = trainer._target_outputs
         trainer._target_outputs = lambda batch, real=real, calls=calls: calls.append(1) or real(batch)
         assert trainer.fit().steps == steps and len(calls) == steps
-        weights = load_file(str(ckpt.latest_checkpoint(run_dir) / "drafter.safetensors"))
+        weights = final_weights(run_dir)
         runs[lookahead] = ([r["loss"] for r in read_metrics(run_dir)], weights)
     assert len(runs[False][0]) == steps and runs[False][1].keys() == runs[True][1].keys()
     return runs
@@ -154,7 +153,7 @@ def test_a_checkpoint_taken_with_a_step_prepared_ahead_resumes_to_the_uninterrup
     assert Trainer(load_config(recipe), log=lambda _: None).fit().steps == 6
     assert [r["step"] for r in read_metrics(run_dir) if "eval_tau" in r] == [3, 6]  # settled, evaluated, went on
     want_losses = [r["loss"] for r in read_metrics(run_dir) if "loss" in r]
-    want_weights = load_file(str(ckpt.latest_checkpoint(run_dir) / "drafter.safetensors"))
+    want_weights = final_weights(run_dir)
 
     resumed_dir = tmp_path / "resumed"
     shutil.copytree(run_dir, resumed_dir)
@@ -163,7 +162,7 @@ def test_a_checkpoint_taken_with_a_step_prepared_ahead_resumes_to_the_uninterrup
     resumed = Trainer(load_config(recipe, [f"run_dir={resumed_dir}"]), log=lambda _: None).fit()
     assert resumed.steps == 6
     assert [r["loss"] for r in read_metrics(resumed_dir) if "loss" in r] == want_losses
-    got_weights = load_file(str(ckpt.latest_checkpoint(resumed_dir) / "drafter.safetensors"))
+    got_weights = final_weights(resumed_dir)
     assert got_weights.keys() == want_weights.keys()
     for name, tensor in want_weights.items():
         assert torch.equal(got_weights[name], tensor), name
